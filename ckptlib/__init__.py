@@ -1,0 +1,21 @@
+"""ckptlib: understand and convert DeepSpeed ZeRO checkpoints, safely and with bounded memory.
+
+Public API::
+
+    import ckptlib
+    ckpt = ckptlib.open_checkpoint("output/checkpoint-500")   # metadata only
+    print(ckpt.zero_stage, ckpt.dp_world_size, ckpt.dtype)
+    w = ckpt.read_param("model.embed.weight")                 # fp32, bit-exact master weights
+"""
+from .deepspeed import Checkpoint, open_checkpoint
+from .errors import (CkptError, IncompleteCheckpointError, NotACheckpointError, OutputError,
+                     UnsafeCheckpointError, UnsupportedCheckpointError)
+from .summary import describe
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Checkpoint", "open_checkpoint", "describe",
+    "CkptError", "IncompleteCheckpointError", "NotACheckpointError", "OutputError", "UnsafeCheckpointError",
+    "UnsupportedCheckpointError",
+]

@@ -1,0 +1,137 @@
+"""Find the DeepSpeed checkpoint a user points at (folder names and small text files only).
+
+Accepted paths:
+
+- a *save dir*: the folder given to ``engine.save_checkpoint`` (holds ``latest`` and tag folders);
+  this is also what Accelerate writes and what an HF Trainer ``checkpoint-N/`` folder is;
+- a *tag folder* (holds ``*_model_states.pt``);
+- a training *output* folder holding several ``checkpoint-N`` folders: they are listed and the newest
+  (largest N) is used.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from ..errors import NotACheckpointError
+from .files import MODEL_STATES, OPTIM_STATES, classify, natural_key
+
+_HF_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+@dataclass
+class Location:
+    """Where a checkpoint is.
+
+    Attributes:
+        given: the path the user gave.
+        save_dir: the folder holding ``latest`` and the tag folders.
+        tag: the tag in use.
+        tags: every tag folder found in ``save_dir`` (natural order).
+        latest: the content of ``save_dir/latest`` (None when there is no such file).
+        checkpoints: for a training output folder, the ``checkpoint-N`` folders found (newest last).
+        notes: how the choice was made, for the user.
+    """
+
+    given: Path
+    save_dir: Path
+    tag: str
+    tags: list
+    latest: Optional[str]
+    checkpoints: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+
+    @property
+    def tag_dir(self) -> Path:
+        return self.save_dir / self.tag
+
+
+def is_tag_dir(path: Path) -> bool:
+    """A folder holding DeepSpeed model-state or optimizer-state files."""
+    try:
+        return path.is_dir() and any(classify(p.name).kind in (MODEL_STATES, OPTIM_STATES)
+                                     for p in path.iterdir() if p.is_file())
+    except OSError:
+        return False
+
+
+def read_latest(save_dir: Path) -> Optional[str]:
+    p = save_dir / "latest"
+    if not p.is_file():
+        return None
+    with open(p, "rb") as f:
+        raw = f.read(4096)
+    return raw.decode("utf-8", "replace").strip()
+
+
+def list_tags(save_dir: Path) -> list[str]:
+    try:
+        return sorted((p.name for p in save_dir.iterdir() if is_tag_dir(p)), key=natural_key)
+    except OSError:
+        return []
+
+
+def list_hf_checkpoints(folder: Path) -> list[Path]:
+    try:
+        found = [p for p in folder.iterdir() if p.is_dir() and _HF_CHECKPOINT.match(p.name)]
+    except OSError:
+        return []
+    return sorted(found, key=lambda p: int(_HF_CHECKPOINT.match(p.name).group(1)))
+
+
+def locate(path: str | os.PathLike, tag: Optional[str] = None) -> Location:
+    """Resolve ``path`` (and ``tag``) to one checkpoint; raises :class:`NotACheckpointError`."""
+    given = Path(path).expanduser()
+    if not given.exists():
+        raise NotACheckpointError("no such file or folder", path=given)
+    if given.is_file():
+        if classify(given.name).kind in (MODEL_STATES, OPTIM_STATES):
+            given = given.parent
+        else:
+            raise NotACheckpointError("this is a file, not a checkpoint folder", path=given,
+                                      hint="give the folder that holds 'latest' and the tag folders")
+    given = given.resolve()
+    notes: list[str] = []
+    checkpoints: list[Path] = []
+
+    if is_tag_dir(given) and tag is None:
+        save_dir, tag = given.parent, given.name
+        notes.append(f"using the tag folder given, '{tag}'")
+    else:
+        save_dir = given
+        if not list_tags(save_dir) and read_latest(save_dir) is None:
+            checkpoints = list_hf_checkpoints(given)
+            usable = [c for c in checkpoints if list_tags(c)]
+            if usable:
+                save_dir = usable[-1]
+                notes.append(f"found {len(checkpoints)} checkpoint-N folders; using the newest, {save_dir.name}")
+            else:
+                raise NotACheckpointError(
+                    "no DeepSpeed checkpoint here: no 'latest' file, no tag folder with *_model_states.pt "
+                    "files, no checkpoint-N folders", path=given,
+                    hint="point at the folder given to engine.save_checkpoint (it holds 'latest'), at a tag "
+                         "folder such as global_step100, or at an HF Trainer output folder")
+
+    tags = list_tags(save_dir)
+    latest = read_latest(save_dir)
+    if tag is None:
+        if latest is not None:
+            if latest not in tags:
+                raise NotACheckpointError(
+                    f"'latest' names the tag '{latest}', but there is no such tag folder "
+                    f"(tags found: {', '.join(tags) or 'none'})", path=save_dir / "latest",
+                    hint="the save was probably interrupted; pass --tag with one of the tags found")
+            tag = latest
+        elif tags:
+            tag = tags[-1]
+            notes.append(f"no 'latest' file; using the last tag in natural order, '{tag}'")
+        else:
+            raise NotACheckpointError("no tag folder with DeepSpeed files here", path=save_dir)
+    elif tag not in tags:
+        raise NotACheckpointError(f"there is no tag '{tag}' (tags found: {', '.join(tags) or 'none'})",
+                                  path=save_dir, hint="pass one of the tags found")
+    return Location(given=Path(path), save_dir=save_dir, tag=tag, tags=tags, latest=latest,
+                    checkpoints=[str(c) for c in checkpoints], notes=notes)

@@ -1,0 +1,274 @@
+"""Pure layout arithmetic of DeepSpeed ZeRO partitions: no I/O, no torch.
+
+Given parameter sizes, the data-parallel size and the flavour of ZeRO, these classes say which element
+range of which parameter each rank holds, at which offset of that rank's flat tensor, and where the
+padding lies. Everything else in ckptlib (reading, export, reshard, the layout view) is built on them.
+
+ZeRO-1/2 (and BF16_Optimizer), :class:`FlatGroupLayout`
+    Each optimizer parameter group is one flat vector: the trainable parameters in the order of the
+    checkpoint's ``param_shapes`` (round-robin order when ``round_robin_gradients`` was on), each
+    optionally followed by alignment padding (``param_alignment_paddings``, DeepSpeed >= 0.19.6), then
+    zero padding up to a multiple of ``alignment`` (``2·N`` since DeepSpeed 0.5.3). The padded vector is
+    cut into N equal partitions; rank ``r`` holds ``[r·P, (r+1)·P)``. ZeRO-1/2 save each rank's fp32
+    partition with the tail padding removed ("lean"); BF16_Optimizer saves it padded.
+
+ZeRO-3, :class:`Zero3Layout`
+    Every parameter is split on its own into N chunks of ``ceil(numel/N)`` elements; rank ``r`` holds
+    elements ``[r·c, (r+1)·c)`` (zero padded past ``numel``). A rank's flat tensor for a sub-group is
+    the concatenation of its chunks of that sub-group's parameters, so every rank has the same length.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Sequence
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A contiguous run of one parameter's elements stored on one rank.
+
+    ``count`` elements of the parameter, starting at element ``param_start`` of its flattened value,
+    live on ``rank`` at offset ``rank_start`` of tensor ``group`` (ZeRO-1/2: the param group's flat
+    partition; ZeRO-3: the sub-group's flat partition).
+    """
+
+    rank: int
+    group: int
+    rank_start: int
+    param_start: int
+    count: int
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One stretch of a rank's flat tensor: a parameter's elements, or padding (``name`` is None)."""
+
+    rank_start: int
+    count: int
+    name: Optional[str] = None
+    param_start: int = 0
+
+    @property
+    def is_padding(self) -> bool:
+        return self.name is None
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter sits in a flat group."""
+
+    name: str
+    shape: tuple
+    offset: int  # first element in the (unpartitioned) flat group
+    padding_after: int = 0
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+# ----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FlatGroupLayout:
+    """One ZeRO-1/2 (or BF16_Optimizer) parameter group partitioned over ``world_size`` ranks.
+
+    Args:
+        params: ``(name, shape)`` in flat order (the order of ``param_shapes`` for this group).
+        world_size: N, the data-parallel size.
+        alignment: the padded total is a multiple of this (default ``2·N``).
+        paddings_after: optional alignment padding after each parameter (``param_alignment_paddings``).
+        group: the group's index (carried into :class:`Piece`).
+    """
+
+    slots: tuple
+    world_size: int
+    alignment: int
+    group: int = 0
+
+    @classmethod
+    def build(cls, params: Sequence[tuple], world_size: int, alignment: Optional[int] = None,
+              paddings_after: Optional[Sequence[int]] = None, group: int = 0) -> "FlatGroupLayout":
+        if world_size < 1:
+            raise ValueError("world_size must be at least 1")
+        alignment = 2 * world_size if alignment is None else alignment
+        paddings_after = list(paddings_after) if paddings_after is not None else [0] * len(params)
+        if len(paddings_after) != len(params):
+            raise ValueError("paddings_after must have one entry per parameter")
+        slots, offset = [], 0
+        for (name, shape), pad in zip(params, paddings_after):
+            slot = ParamSlot(name=name, shape=tuple(int(s) for s in shape), offset=offset, padding_after=int(pad))
+            slots.append(slot)
+            offset += slot.numel + slot.padding_after
+        return cls(slots=tuple(slots), world_size=world_size, alignment=alignment, group=group)
+
+    # ---------------------------------------------------------------- sizes
+    @property
+    def total(self) -> int:
+        """Elements before the tail padding (parameters plus alignment gaps)."""
+        if not self.slots:
+            return 0
+        last = self.slots[-1]
+        return last.offset + last.numel + last.padding_after
+
+    @property
+    def numel(self) -> int:
+        """Elements that belong to parameters."""
+        return sum(s.numel for s in self.slots)
+
+    @property
+    def padded_total(self) -> int:
+        return ceil_div(self.total, self.alignment) * self.alignment if self.total else 0
+
+    @property
+    def partition_size(self) -> int:
+        return self.padded_total // self.world_size
+
+    def rank_range(self, rank: int) -> tuple[int, int]:
+        """``[start, end)`` of the padded flat group held by ``rank``."""
+        p = self.partition_size
+        return rank * p, (rank + 1) * p
+
+    def lean_length(self, rank: int) -> int:
+        """Length of the rank's saved fp32 partition with the tail padding removed (ZeRO-1/2)."""
+        start, end = self.rank_range(rank)
+        return max(0, min(end, self.total) - start)
+
+    def tail_padding(self, rank: int) -> int:
+        """Padding elements at the end of the rank's partition (DeepSpeed's ``group_paddings``)."""
+        return self.partition_size - self.lean_length(rank)
+
+    def slot(self, name: str) -> ParamSlot:
+        for s in self.slots:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+    # ---------------------------------------------------------------- where things are
+    def pieces(self, name: str) -> list[Piece]:
+        """The pieces of parameter ``name``, in element order (and so in rank order)."""
+        return self.range_pieces(self.slot(name).offset, self.slot(name).numel)
+
+    def range_pieces(self, flat_start: int, count: int) -> list[Piece]:
+        """Pieces covering elements ``[flat_start, flat_start+count)`` of the flat group."""
+        out: list[Piece] = []
+        p = self.partition_size
+        pos, end = flat_start, flat_start + count
+        while pos < end:
+            rank = pos // p
+            rank_end = (rank + 1) * p
+            n = min(end, rank_end) - pos
+            out.append(Piece(rank=rank, group=self.group, rank_start=pos - rank * p,
+                             param_start=pos - flat_start, count=n))
+            pos += n
+        return out
+
+    def segments(self, rank: int) -> list[Segment]:
+        """What lies in ``rank``'s partition, in order: parameter pieces and padding."""
+        start, end = self.rank_range(rank)
+        segs: list[Segment] = []
+        pos = start
+        for s in self.slots:
+            for lo, hi, name in ((s.offset, s.offset + s.numel, s.name),
+                                 (s.offset + s.numel, s.offset + s.numel + s.padding_after, None)):
+                a, b = max(lo, start), min(hi, end)
+                if a < b:
+                    if a > pos:
+                        segs.append(Segment(rank_start=pos - start, count=a - pos))
+                    segs.append(Segment(rank_start=a - start, count=b - a, name=name,
+                                        param_start=a - lo if name else 0))
+                    pos = b
+        if pos < end:
+            segs.append(Segment(rank_start=pos - start, count=end - pos))
+        return segs
+
+    def slice_mappings(self, rank: int) -> dict[str, tuple[int, int]]:
+        """``name -> (rank_start, numel)`` for parameters overlapping ``rank``'s partition
+        (DeepSpeed's ``param_slice_mappings``)."""
+        return {s.name: (s.rank_start, s.count) for s in self.segments(rank) if not s.is_padding}
+
+
+# ----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Zero3Slot:
+    name: str
+    shape: tuple
+    sub_group: int
+    offset: int  # offset of this parameter's chunk within each rank's sub-group flat tensor
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Zero3Layout:
+    """ZeRO-3 per-parameter partitioning over ``world_size`` ranks.
+
+    Args (to :meth:`build`):
+        sub_groups: for each sub-group (one flat fp32 tensor per rank), ``(name, shape)`` in order.
+        world_size: N.
+    """
+
+    slots: tuple
+    world_size: int
+    sub_group_sizes: tuple  # per-rank flat length of each sub-group
+
+    @classmethod
+    def build(cls, sub_groups: Sequence[Sequence[tuple]], world_size: int) -> "Zero3Layout":
+        if world_size < 1:
+            raise ValueError("world_size must be at least 1")
+        slots, sizes = [], []
+        for g, params in enumerate(sub_groups):
+            offset = 0
+            for name, shape in params:
+                shape = tuple(int(s) for s in shape)
+                slots.append(Zero3Slot(name=name, shape=shape, sub_group=g, offset=offset))
+                offset += chunk_size(math.prod(shape), world_size)
+            sizes.append(offset)
+        return cls(slots=tuple(slots), world_size=world_size, sub_group_sizes=tuple(sizes))
+
+    def slot(self, name: str) -> Zero3Slot:
+        for s in self.slots:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+    def chunk(self, name: str) -> int:
+        return chunk_size(self.slot(name).numel, self.world_size)
+
+    def pieces(self, name: str) -> list[Piece]:
+        """Pieces of ``name``, one per rank that holds real (non-padding) elements, in rank order."""
+        s = self.slot(name)
+        c = chunk_size(s.numel, self.world_size)
+        return [Piece(rank=r, group=s.sub_group, rank_start=s.offset, param_start=r * c, count=n)
+                for r, n in enumerate(zero3_real_counts(s.numel, self.world_size)) if n > 0]
+
+    def segments(self, rank: int, sub_group: int) -> list[Segment]:
+        """Parameter chunks and padding in ``rank``'s flat tensor of ``sub_group``."""
+        segs: list[Segment] = []
+        for s in self.slots:
+            if s.sub_group != sub_group:
+                continue
+            c = chunk_size(s.numel, self.world_size)
+            real = zero3_real_counts(s.numel, self.world_size)[rank]
+            if real:
+                segs.append(Segment(rank_start=s.offset, count=real, name=s.name, param_start=rank * c))
+            if c - real:
+                segs.append(Segment(rank_start=s.offset + real, count=c - real))
+        return segs
+
+
+def chunk_size(numel: int, world_size: int) -> int:
+    """ZeRO-3 partition size of a parameter: ``ceil(numel / N)``."""
+    return ceil_div(numel, world_size)
+
+
+def zero3_real_counts(numel: int, world_size: int) -> list[int]:
+    """How many real (non-padding) elements of a ZeRO-3 parameter each rank holds."""
+    c = chunk_size(numel, world_size)
+    return [max(0, min(c, numel - r * c)) for r in range(world_size)]

@@ -1,0 +1,221 @@
+"""A restricted unpickler for the ``data.pkl`` of torch zip checkpoints.
+
+Nothing in a checkpoint is ever *run*. :class:`SafeUnpickler` resolves the globals a pickle names
+against a fixed allow-list:
+
+- containers and values torch uses (``collections.OrderedDict``, ``builtins.set``, ``torch.Size``,
+  ``torch.device``, torch dtypes, numpy scalars);
+- torch's tensor rebuild functions, which are replaced by functions that build a
+  :class:`~ckptlib.torchzip.handles.TensorHandle` (metadata only, no tensor bytes are read);
+- the DeepSpeed classes found in checkpoints (``LossScaler``, ``DynamicLossScaler``, ``ZeroStageEnum``,
+  ``fragment_address``, ...), which are mapped to inert stand-ins defined here. DeepSpeed is never
+  imported.
+
+Every other global (``os.system``, ``builtins.eval``, any class) makes unpickling stop with
+:class:`~ckptlib.errors.UnsafeCheckpointError` naming the file and the global. Because every callable a
+pickle can reach comes from this list, ``REDUCE``, ``NEWOBJ`` and ``BUILD`` can only ever call these
+functions or build these stand-ins.
+"""
+from __future__ import annotations
+
+import collections
+import io
+import pickle
+from typing import Any, Callable
+
+import torch
+
+from ..errors import UnsafeCheckpointError
+from .handles import DTYPE_BY_STORAGE, StorageRef, TensorHandle
+
+
+# --------------------------------------------------------------------------------------------------
+# Inert stand-ins for DeepSpeed (and a few other) classes. They only hold the pickled attributes.
+class Standin:
+    """Base of the inert stand-ins: an attribute bag that remembers which class it replaces."""
+
+    _qualname = "object"
+
+    def __init__(self, *args, **kwargs):
+        self.args = args
+        self.__dict__.update(kwargs)
+
+    def __setstate__(self, state):
+        if isinstance(state, tuple) and len(state) == 2:  # (dict state, slot state)
+            state = {**(state[0] or {}), **(state[1] or {})}
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+        else:
+            self.__dict__["state"] = state
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in self.__dict__.items() if not k.startswith("_"))
+        return f"{self._qualname}({fields})"
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
+
+def _standin(qualname: str) -> type:
+    return type(qualname.rsplit(".", 1)[-1], (Standin,), {"_qualname": qualname})
+
+
+LossScaler = _standin("deepspeed.runtime.fp16.loss_scaler.LossScaler")
+DynamicLossScaler = _standin("deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler")
+Namespace = _standin("argparse.Namespace")
+
+
+class FragmentAddress(Standin):
+    """Stand-in for ``deepspeed.utils.tensor_fragment.fragment_address(numel, start)``."""
+
+    _qualname = "deepspeed.utils.tensor_fragment.fragment_address"
+
+    def __init__(self, numel=None, start=None):
+        self.numel = numel
+        self.start = start
+
+
+class ZeroStage(int):
+    """Stand-in for ``deepspeed.runtime.zero.config.ZeroStageEnum`` (an int enum)."""
+
+    _names = {0: "disabled", 1: "optimizer_states", 2: "gradients", 3: "weights", 4: "max_stage"}
+
+    def __repr__(self) -> str:
+        return f"ZeroStageEnum.{self._names.get(int(self), int(self))}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Replacements for torch's rebuild functions: they build TensorHandles instead of tensors.
+def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None,
+                       metadata=None):
+    if not isinstance(storage, StorageRef):
+        raise pickle.UnpicklingError("tensor rebuilt from something that is not a storage")
+    return TensorHandle(storage=storage, storage_offset=int(storage_offset), shape=tuple(size),
+                        stride=tuple(stride), requires_grad=bool(requires_grad))
+
+
+def _rebuild_tensor(storage, storage_offset, size, stride):
+    return _rebuild_tensor_v2(storage, storage_offset, size, stride)
+
+
+def _rebuild_parameter(data, requires_grad, backward_hooks, *state):
+    if isinstance(data, TensorHandle):
+        data.is_parameter = True
+        data.requires_grad = bool(requires_grad)
+    return data
+
+
+def _rebuild_from_type_v2(func, new_type, args, state):
+    # func is one of the allowed rebuild functions; new_type is ignored (Parameter/Tensor stand-ins)
+    return func(*args)
+
+
+class _TensorType:
+    """Stand-in for ``torch.Tensor`` / ``torch.nn.Parameter`` as the ``new_type`` of a rebuild."""
+
+
+def _ordered_dict(*args):
+    return collections.OrderedDict(*args)
+
+
+def _numpy_scalar(dtype, data=None):
+    import numpy as np
+
+    if not isinstance(dtype, np.dtype) or dtype.hasobject:
+        raise pickle.UnpicklingError("numpy scalar of a non-plain dtype")
+    return np.frombuffer(data, dtype=dtype, count=1)[0] if data is not None else dtype.type()
+
+
+def _numpy_dtype(name, align=False, copy=False):
+    import numpy as np
+
+    dt = np.dtype(name)
+    if dt.hasobject:
+        raise pickle.UnpicklingError("numpy object dtype")
+    return dt
+
+
+def _set(items=()):
+    return set(items)
+
+
+def _frozenset(items=()):
+    return frozenset(items)
+
+
+def _reconstructor(cls, base, state):
+    # copyreg._reconstructor(cls, object, None): only for our stand-ins
+    if isinstance(cls, type) and issubclass(cls, Standin) and base is object:
+        return cls.__new__(cls)
+    raise pickle.UnpicklingError(f"copyreg._reconstructor of {cls!r}")
+
+
+_ALLOWED: dict[tuple[str, str], Any] = {
+    ("collections", "OrderedDict"): _ordered_dict,
+    ("builtins", "set"): _set,
+    ("builtins", "frozenset"): _frozenset,
+    ("__builtin__", "set"): _set,
+    ("__builtin__", "frozenset"): _frozenset,
+    ("copyreg", "_reconstructor"): _reconstructor,
+    ("copy_reg", "_reconstructor"): _reconstructor,
+    ("torch", "Size"): torch.Size,
+    ("torch", "device"): torch.device,
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
+    ("torch._utils", "_rebuild_tensor"): _rebuild_tensor,
+    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
+    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
+    ("torch", "Tensor"): _TensorType,
+    ("torch.nn.parameter", "Parameter"): _TensorType,
+    ("numpy.core.multiarray", "scalar"): _numpy_scalar,
+    ("numpy._core.multiarray", "scalar"): _numpy_scalar,
+    ("numpy", "dtype"): _numpy_dtype,
+    ("argparse", "Namespace"): Namespace,
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"): LossScaler,
+    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"): DynamicLossScaler,
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"): ZeroStage,
+    ("deepspeed.utils.tensor_fragment", "fragment_address"): FragmentAddress,
+}
+
+_TORCH_DTYPES = {str(d).split(".", 1)[1]: d for d in DTYPE_BY_STORAGE.values()}
+
+
+class SafeUnpickler(pickle.Unpickler):
+    """Unpickles a torch ``data.pkl`` without running code from it.
+
+    Args:
+        file: a binary file object positioned at the pickle.
+        storage_resolver: called with ``(key, dtype, numel)`` for each storage the pickle refers to;
+            returns the :class:`StorageRef` that tensor handles will point at.
+        source: the file name used in error messages.
+    """
+
+    def __init__(self, file: io.BufferedIOBase, storage_resolver: Callable[[str, torch.dtype, int], StorageRef],
+                 source: str):
+        super().__init__(file)
+        self._resolve = storage_resolver
+        self._source = source
+
+    def find_class(self, module: str, name: str):
+        found = _ALLOWED.get((module, name))
+        if found is not None:
+            return found
+        if module == "torch":
+            if name in DTYPE_BY_STORAGE:  # legacy typed storage classes, e.g. torch.FloatStorage
+                return DTYPE_BY_STORAGE[name]
+            if name in _TORCH_DTYPES:
+                return _TORCH_DTYPES[name]
+        raise UnsafeCheckpointError(
+            f"the pickle refers to the global '{module}.{name}', which ckptlib does not load "
+            "(it only allows torch tensors, plain containers and the DeepSpeed classes of checkpoints)",
+            path=self._source,
+            hint="nothing from the file was run. If you trust this file and it is a DeepSpeed checkpoint, "
+                 "please report the global so it can be added as an inert stand-in.")
+
+    def persistent_load(self, pid):
+        if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage"):
+            raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
+        _, dtype, key, _location, numel = pid[:5]
+        if not isinstance(dtype, torch.dtype):
+            raise pickle.UnpicklingError(f"storage of unknown type {dtype!r}")
+        return self._resolve(str(key), dtype, int(numel))
