@@ -24,6 +24,29 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         return 1 if ckpt.problems else 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from .export import plan_export, run_export
+    from .progress import TqdmObserver
+
+    states = [s for s in (args.states or "").split(",") if s]
+    plan = plan_export(args.path, args.out, tag=args.tag, format=args.format, dtype=args.dtype,
+                       max_shard_size=args.max_shard_size, exclude_frozen=args.exclude_frozen, states=states,
+                       workers=args.workers, overwrite=args.overwrite)
+    if args.plan:
+        print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.describe())
+        return 0
+    if args.distributed:
+        from .export.distributed import run_export_distributed
+
+        result = run_export_distributed(plan, observer=None if args.quiet else TqdmObserver("export"))
+    else:
+        result = run_export(plan, observer=None if args.quiet else TqdmObserver("export"))
+    if result is not None:
+        print(f"wrote {len(result.files)} files, {result.bytes_written:,} bytes to {result.out} "
+              f"in {result.seconds:.1f} s (read {result.bytes_read:,} bytes)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ckpt", description="Inspect and convert DeepSpeed ZeRO checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -32,6 +55,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tag", help="tag to inspect (default: the one 'latest' names)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=_cmd_inspect)
+
+    p = sub.add_parser("export", help="write consolidated weights (safetensors or torch, HF layout), streaming")
+    p.add_argument("path", help="the checkpoint (as for inspect)")
+    p.add_argument("out", help="output folder (created; must be empty unless --overwrite)")
+    p.add_argument("--tag", help="tag to export (default: the one 'latest' names)")
+    p.add_argument("--format", choices=["safetensors", "torch"], default="safetensors")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+                   help="dtype of parameters and floating buffers (integer buffers stay exact)")
+    p.add_argument("--max-shard-size", default="5GB", help="shard limit, decimal units like 5GB or 500MB")
+    p.add_argument("--exclude-frozen", action="store_true", help="leave out frozen parameters")
+    p.add_argument("--states", help="optimizer states to export too, comma separated, e.g. exp_avg,exp_avg_sq")
+    p.add_argument("--workers", type=int, default=1, help="processes to write with")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    p.add_argument("--plan", action="store_true", help="only show the plan (files, bytes, memory); write nothing")
+    p.add_argument("--json", action="store_true", help="with --plan: print the plan as JSON")
+    p.add_argument("--distributed", action="store_true",
+                   help="under torchrun: every rank writes its share of the shards (gloo)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_export)
     return parser
 
 

@@ -16,7 +16,8 @@ from typing import Any, Optional, Union
 
 import torch
 
-from ..errors import CkptError, IncompleteCheckpointError, NotACheckpointError, UnsupportedCheckpointError
+from ..errors import (CkptError, IncompleteCheckpointError, NotACheckpointError, UnsafeCheckpointError,
+                      UnsupportedCheckpointError)
 from ..layout import FlatGroupLayout, Piece, Zero3Layout, chunk_size
 from ..torchzip import ReadStats, TensorHandle, TorchFile, dtype_name
 from . import files as fnames
@@ -27,6 +28,15 @@ Layout = Union[FlatGroupLayout, Zero3Layout]
 ZERO = "zero"                      # DeepSpeedZeroOptimizer (stage 1/2) or stage 3
 BF16_OPTIMIZER = "bf16_optimizer"  # BF16_Optimizer: padded fp32 partitions, no zero_stage key
 NO_ZERO = "no_zero"                # stage 0: everything in the model-states file
+
+
+@dataclass(frozen=True)
+class SourceRange:
+    """``count`` elements of a stored tensor from element ``start`` (of its flattened value)."""
+
+    handle: TensorHandle
+    start: int
+    count: int
 
 
 @dataclass
@@ -125,6 +135,7 @@ class Checkpoint:
         self._model: dict = {}
         self._optim: dict[int, dict] = {}
         self._frozen_source: dict = {}
+        self._stage0_index: dict[str, tuple[int, int]] = {}
         self._build()
 
     # ================================================================== construction
@@ -147,6 +158,8 @@ class Checkpoint:
         if key not in self._open:
             try:
                 self._open[key] = TorchFile(info.path, stats=self.stats)
+            except UnsafeCheckpointError:
+                raise  # never half-open a checkpoint that holds a hostile pickle
             except CkptError as e:
                 self.problems.append(f"{info.relpath}: {e.message}")
                 self._open[key] = None
@@ -348,7 +361,6 @@ class Checkpoint:
         names = [n for n, t in module.items() if isinstance(t, TensorHandle) and n not in buffers and n not in aliases]
         # which parameters does the optimizer hold, in which group? Match shapes in model order.
         groups = _stage0_group_shapes(opt)
-        self._stage0_index: dict[str, tuple[int, int]] = {}
         trainable: dict[str, tuple] = {}
         if groups is None:
             for n in names:
@@ -520,15 +532,72 @@ class Checkpoint:
         except (KeyError, IndexError, TypeError):
             raise KeyError(f"the optimizer state has no '{key}' for group {group} on rank {rank}") from None
 
-    def _assemble(self, numel: int, shape: tuple, pieces: list[Piece], key: Optional[str]) -> torch.Tensor:
-        out = torch.empty(numel, dtype=torch.float32)
-        for pc in pieces:
-            h = self._rank_tensor(pc.rank, pc.group, key)
-            dst = out[pc.param_start:pc.param_start + pc.count]
-            if h.dtype == torch.float32:
-                h.read_flat(pc.rank_start, pc.count, out=dst)
+    # ---------------------------------------------------------------- where the bytes are
+    def sources(self, name: str, key: Optional[str] = None) -> list[SourceRange]:
+        """The stored ranges that, concatenated, give parameter ``name`` flattened (metadata only).
+
+        ``key`` None: the fp32 master (trainable), the stored 16-bit/fp32 value (frozen) or the
+        buffer itself; otherwise the optimizer state ``key`` (e.g. ``"exp_avg"``). A tied alias gives
+        its owner's ranges. Readers (:meth:`read_param`, the exporters) read exactly these bytes.
+        """
+        self._require_readable()
+        if any(b.name == name for b in self.buffers) and key is None:
+            h = self._model["module"][name]
+            return [SourceRange(h, 0, h.numel)]
+        p = self.param(name)
+        if p.tied_to:
+            return self.sources(p.tied_to, key)
+        if not p.trainable:
+            if key is not None:
+                raise KeyError(f"parameter {name} is frozen and has no optimizer state")
+            return self._frozen_sources(p)
+        if self.flavor == NO_ZERO:
+            return [SourceRange(self._stage0_handle(p, key), 0, p.numel)]
+        return [SourceRange(self._rank_tensor(pc.rank, pc.group, key), pc.rank_start, pc.count)
+                for pc in self.pieces(name)]
+
+    def _frozen_sources(self, p: ParameterInfo) -> list[SourceRange]:
+        chunks = self._frozen_source.get(p.name)
+        if not chunks:
+            raise IncompleteCheckpointError(f"no data was saved for frozen parameter {p.name} "
+                                            "(saved with exclude_frozen_parameters?)", path=self.location.tag_dir)
+        out, pos = [], 0
+        for h in chunks:  # ZeRO-3: one ceil(numel/N) chunk per rank, the last ones padded
+            n = min(h.numel, p.numel - pos)
+            if n > 0:
+                out.append(SourceRange(h, 0, n))
+            pos += max(n, 0)
+        if pos < p.numel:
+            raise IncompleteCheckpointError(f"frozen parameter {p.name}: {pos} of {p.numel} elements saved",
+                                            path=self.location.tag_dir)
+        return out
+
+    def _stage0_handle(self, p: ParameterInfo, key: Optional[str]) -> TensorHandle:
+        opt = self._model.get("optimizer") or {}
+        g, i = self._stage0_index.get(p.name, (None, None))
+        if key is None:
+            if "fp32_groups" in opt and g is not None:
+                return opt["fp32_groups"][g][i]
+            return self._model["module"][p.name]
+        if g is None:
+            raise KeyError(f"no optimizer state is known for {p.name}")
+        inner = opt.get("optimizer_state_dict", opt)
+        pid = inner["param_groups"][g]["params"][i]
+        try:
+            return inner["state"][pid][key]
+        except (KeyError, IndexError, TypeError):
+            raise KeyError(f"the optimizer state has no '{key}' for {p.name}") from None
+
+    def _assemble(self, shape: tuple, ranges: list[SourceRange], dtype: torch.dtype) -> torch.Tensor:
+        out = torch.empty(sum(r.count for r in ranges), dtype=dtype)
+        pos = 0
+        for r in ranges:
+            dst = out[pos:pos + r.count]
+            if r.handle.dtype == dtype:
+                r.handle.read_flat(r.start, r.count, out=dst)
             else:
-                dst.copy_(h.read_flat(pc.rank_start, pc.count))
+                dst.copy_(r.handle.read_flat(r.start, r.count))
+            pos += r.count
         return out.reshape(shape)
 
     def read_param(self, name: str) -> torch.Tensor:
@@ -536,69 +605,36 @@ class Checkpoint:
 
         Trainable parameters come from the fp32 master partitions; frozen ones from their stored 16-bit
         (or fp32) values, upcast; a tied alias gives its owner's value. Only the bytes of this
-        parameter's pieces are read. Memory: the fp32 result (4 bytes per element) plus, for frozen
-        16-bit values, one copy in the stored dtype.
+        parameter's pieces are read. Memory: the fp32 result (4 bytes per element) plus, for 16-bit
+        sources, one piece in the stored dtype.
         """
-        self._require_readable()
-        p = self.param(name)
-        if p.tied_to:
-            return self.read_param(p.tied_to)
-        if p.trainable and self.flavor != NO_ZERO:
-            return self._assemble(p.numel, p.shape, self.pieces(name), None)
-        if p.trainable:  # stage 0
-            return self._read_stage0(p)
-        return self._read_frozen(p)
+        return self._assemble(self.param(name).shape, self.sources(name), torch.float32)
 
     def read_state(self, name: str, key: str) -> torch.Tensor:
         """The full value of optimizer state ``key`` (e.g. ``"exp_avg"``) of a trainable parameter, as fp32.
 
         Memory: the result plus one piece.
         """
-        self._require_readable()
-        p = self.param(name)
-        if p.tied_to:
-            return self.read_state(p.tied_to, key)
-        if not p.trainable:
-            raise KeyError(f"parameter {name} is frozen and has no optimizer state")
-        if self.flavor == NO_ZERO:
-            return self._read_stage0(p, key)
-        return self._assemble(p.numel, p.shape, self.pieces(name), key)
-
-    def _read_frozen(self, p: ParameterInfo) -> torch.Tensor:
-        chunks = self._frozen_source.get(p.name)
-        if not chunks:
-            raise IncompleteCheckpointError(f"no data was saved for frozen parameter {p.name} "
-                                            "(saved with exclude_frozen_parameters?)", path=self.location.tag_dir)
-        out = torch.empty(p.numel, dtype=torch.float32)
-        pos = 0
-        for h in chunks:
-            n = min(h.numel, p.numel - pos)
-            if n > 0:
-                out[pos:pos + n].copy_(h.read_flat(0, n))
-            pos += n
-        if pos < p.numel:
-            raise IncompleteCheckpointError(f"frozen parameter {p.name}: {pos} of {p.numel} elements saved",
-                                            path=self.location.tag_dir)
-        return out.reshape(p.shape)
-
-    def _read_stage0(self, p: ParameterInfo, key: Optional[str] = None) -> torch.Tensor:
-        opt = self._model.get("optimizer") or {}
-        module = self._model["module"]
-        g, i = self._stage0_index.get(p.name, (None, None))
-        if key is None:
-            if "fp32_groups" in opt and g is not None:
-                return opt["fp32_groups"][g][i].read().float().reshape(p.shape)
-            return module[p.name].read().float()
-        inner = opt.get("optimizer_state_dict", opt)
-        ids = inner["param_groups"][g]["params"]
-        return inner["state"][ids[i]][key].read().float().reshape(p.shape)
+        return self._assemble(self.param(name).shape, self.sources(name, key), torch.float32)
 
     def read_buffer(self, name: str) -> torch.Tensor:
         """A persistent buffer, exactly as saved (its own dtype). Memory: the buffer."""
+        b = self.buffer(name)
+        return self._assemble(b.shape, self.sources(name), self._model["module"][name].dtype)
+
+    def buffer(self, name: str) -> BufferInfo:
         for b in self.buffers:
             if b.name == name:
-                return self._model["module"][name].read()
-        raise KeyError(f"no buffer named {name!r}")
+                return b
+        raise KeyError(f"no buffer named {name!r} in {self.location.tag_dir}")
+
+    def state_dict_names(self) -> list[str]:
+        """Parameter and buffer names in the module's ``state_dict`` order (tied aliases included)."""
+        module = self._model.get("module") or {}
+        known = {p.name for p in self.parameters} | {b.name for b in self.buffers}
+        names = [n for n in module if n in known]
+        return names + [n for n in [p.name for p in self.parameters] + [b.name for b in self.buffers]
+                        if n not in set(names)]
 
     # ================================================================== misc
     @property

@@ -1,0 +1,33 @@
+"""Export consolidated weights (and optimizer states): plan from metadata, then stream."""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Optional, Sequence, Union
+
+from ..deepspeed import Checkpoint
+from ..progress import Observer
+from .plan import ExportPlan, PlannedFile, PlannedTensor, parse_size, plan_export
+from .run import ExportResult, run_export
+
+
+def export(checkpoint: Union[Checkpoint, str, os.PathLike, ExportPlan], out: Union[str, os.PathLike, None] = None,
+           *, observer: Optional[Observer] = None, cancel: Optional[threading.Event] = None, **options) -> ExportResult:
+    """Export consolidated fp32 (or bf16/fp16) weights in the Hugging Face layout.
+
+    Args:
+        checkpoint: a path, an opened :class:`Checkpoint`, or a plan from :func:`plan_export`.
+        out: output folder (not needed with a plan).
+        observer: receives progress (see :class:`ckptlib.progress.Observer`).
+        cancel: set this event to stop; nothing is left behind.
+        **options: as for :func:`plan_export` (``format``, ``dtype``, ``max_shard_size``, ``states``, ...).
+
+    Memory: bounded by ``plan.predicted_peak_bytes`` per process (two streaming buffers of
+    ``chunk_bytes`` plus a small fixed allowance), whatever the size of the model or of its largest
+    tensor. The source is only read; the output appears atomically.
+    """
+    plan = checkpoint if isinstance(checkpoint, ExportPlan) else plan_export(checkpoint, out, **options)
+    return run_export(plan, observer=observer, cancel=cancel)
+
+
+__all__ = ["export", "plan_export", "ExportPlan", "ExportResult", "PlannedFile", "PlannedTensor", "parse_size"]

@@ -1,0 +1,175 @@
+"""Atomic output folders: results appear complete, or not at all.
+
+:class:`AtomicOutputDir` writes into a hidden temporary sibling of the destination
+(``.<name>.ckptlib-tmp-<id>``) and renames it into place only when everything is written and synced.
+A lock file next to the destination (``.<name>.ckptlib-lock``, ``flock``) keeps two runs from writing
+the same destination; temporary siblings left by killed runs are removed by the next run. The source
+checkpoint is protected: a destination inside the source (or a source inside a destination that
+would be overwritten) is refused.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Optional
+
+from .errors import OutputError
+
+TMP_MARK = ".ckptlib-tmp-"
+LOCK_SUFFIX = ".ckptlib-lock"
+
+
+def _is_within(child: Path, parent: Path) -> bool:
+    try:
+        child.relative_to(parent)
+        return True
+    except ValueError:
+        return False
+
+
+def check_destination(out: Path, source: Optional[Path], overwrite: bool) -> None:
+    """Refuse destinations that would touch the source or clobber data; raises :class:`OutputError`."""
+    out = out.expanduser().resolve()
+    if source is not None:
+        src = source.resolve()
+        if _is_within(out, src):
+            raise OutputError("the output folder is inside the source checkpoint", path=out,
+                              hint="choose an output folder outside the checkpoint; ckptlib never writes into it")
+        if _is_within(src, out):
+            raise OutputError("the source checkpoint is inside the output folder", path=out,
+                              hint="choose an output folder that does not contain the checkpoint")
+    if out.exists():
+        if not out.is_dir():
+            raise OutputError("the output path exists and is not a folder", path=out)
+        if any(out.iterdir()) and not overwrite:
+            raise OutputError("the output folder is not empty", path=out,
+                              hint="choose another folder, or pass --overwrite (overwrite=True) to replace it")
+
+
+class AtomicOutputDir:
+    """Context manager: ``with AtomicOutputDir(out) as tmp: write into tmp`` → ``out`` appears on success.
+
+    On an exception (or cancellation) the temporary folder is removed and ``out`` is untouched. After a
+    kill -9 only the hidden temporary folder remains; it never looks like a finished output and the
+    next run on the same destination removes it.
+    """
+
+    def __init__(self, out: str | os.PathLike, source: Optional[str | os.PathLike] = None, overwrite: bool = False):
+        self.out = Path(out).expanduser().resolve()
+        self.source = Path(source) if source is not None else None
+        self.overwrite = overwrite
+        self.tmp: Optional[Path] = None
+        self._lock_fd: Optional[int] = None
+
+    # ---------------------------------------------------------------- locking
+    @property
+    def lock_path(self) -> Path:
+        return self.out.parent / f".{self.out.name}{LOCK_SUFFIX}"
+
+    def _lock(self) -> None:
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise OutputError("another ckptlib run is writing this output folder right now", path=self.out,
+                              hint="wait for it to finish, or choose another output folder") from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(self.lock_path).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:  # the holder released and removed it between our open and our flock
+            os.close(fd)
+            return self._lock()
+        self._lock_fd = fd
+
+    def _unlock(self) -> None:
+        if self._lock_fd is not None:
+            try:
+                os.unlink(self.lock_path)
+            except OSError:
+                pass
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def stale_temporaries(self) -> list[Path]:
+        prefix = f".{self.out.name}{TMP_MARK}"
+        return [p for p in self.out.parent.iterdir() if p.name.startswith(prefix)]
+
+    # ---------------------------------------------------------------- lifecycle
+    def __enter__(self) -> Path:
+        check_destination(self.out, self.source, self.overwrite)
+        try:
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OutputError(f"cannot create the output's parent folder ({e.strerror})", path=self.out.parent) from e
+        self._lock()
+        try:
+            for stale in self.stale_temporaries():  # left by a killed run; we hold the lock, so not in use
+                shutil.rmtree(stale, ignore_errors=True)
+            self.tmp = self.out.parent / f".{self.out.name}{TMP_MARK}{uuid.uuid4().hex[:8]}"
+            self.tmp.mkdir()
+        except OSError as e:
+            self._unlock()
+            raise OutputError(f"cannot create a temporary folder next to the output ({e.strerror})",
+                              path=self.out.parent) from e
+        return self.tmp
+
+    def commit(self) -> None:
+        assert self.tmp is not None
+        _fsync_tree(self.tmp)
+        old = None
+        if self.out.exists():
+            if any(self.out.iterdir()):
+                if not self.overwrite:  # appeared while we were writing
+                    raise OutputError("the output folder became non-empty during the run", path=self.out)
+                old = self.out.parent / f".{self.out.name}{TMP_MARK}old-{uuid.uuid4().hex[:8]}"
+                os.rename(self.out, old)
+            else:
+                os.rmdir(self.out)
+        os.rename(self.tmp, self.out)
+        _fsync_dir(self.out.parent)
+        self.tmp = None
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def abort(self) -> None:
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp = None
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            if exc_type is None:
+                self.commit()
+            else:
+                self.abort()
+        except BaseException:
+            self.abort()
+            raise
+        finally:
+            self._unlock()
+        return False
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _dirs, files in os.walk(root):
+        for f in files:
+            fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))

@@ -1,0 +1,80 @@
+"""Progress reporting and cancellation for long operations (export, reshard).
+
+Long operations call an :class:`Observer`; the library itself never imports ``tqdm.notebook`` or any UI.
+:class:`TqdmObserver` is the terminal one; notebooks pass their own (see ``ckptlib.ui``). A
+``threading.Event`` passed as ``cancel`` stops an operation at the next chunk; it then raises
+:class:`Cancelled` and leaves no output behind.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Optional
+
+from .errors import CkptError
+
+
+class Cancelled(CkptError):
+    """The operation was cancelled; nothing was written to the destination."""
+
+
+class Observer:
+    """Receives progress; override what you need (all methods are no-ops here).
+
+    Methods are called from the thread that runs the operation.
+    """
+
+    def on_start(self, plan: Any) -> None:
+        """Before anything is written; ``plan`` is the plan being executed."""
+
+    def on_file(self, name: str) -> None:
+        """An output file is started."""
+
+    def on_tensor(self, name: str) -> None:
+        """A tensor is started."""
+
+    def on_bytes(self, done: int, total: int) -> None:
+        """``done`` of ``total`` output bytes are written."""
+
+    def on_finish(self, result: Any) -> None:
+        """The output is complete and in place."""
+
+    def on_error(self, error: BaseException) -> None:
+        """The operation failed (or was cancelled); the output was not created."""
+
+
+class TqdmObserver(Observer):
+    """A plain tqdm bar for terminals (output bytes)."""
+
+    def __init__(self, desc: str = "export", disable: Optional[bool] = None):
+        self.desc, self.disable = desc, disable
+        self.bar = None
+
+    def on_start(self, plan):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=getattr(plan, "write_bytes", None), unit="B", unit_scale=True, desc=self.desc,
+                        disable=self.disable)
+
+    def on_bytes(self, done, total):
+        if self.bar is not None:
+            self.bar.update(done - self.bar.n)
+
+    def on_file(self, name):
+        if self.bar is not None:
+            self.bar.set_postfix_str(name, refresh=False)
+
+    def _close(self):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def on_finish(self, result):
+        self._close()
+
+    def on_error(self, error):
+        self._close()
+
+
+def check_cancel(cancel: Optional[threading.Event]) -> None:
+    if cancel is not None and cancel.is_set():
+        raise Cancelled("cancelled by the user; nothing was written to the destination")

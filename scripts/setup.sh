@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Set up ckptlib in ./.venv on a fresh machine (idempotent).
+#   bash scripts/setup.sh          library + command line (+ notebook extras)
+#   bash scripts/setup.sh --dev    also DeepSpeed 0.19.8 and the test tools
+# torch is installed first, pinned, so that nothing pulls a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+PIP=".venv/bin/python -m pip --disable-pip-version-check -q"
+$PIP install --upgrade pip >/dev/null
+.venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null \
+  || $PIP install "torch==2.13.0"
+extras="notebooks"
+[ "${1:-}" = "--dev" ] && extras="notebooks,dev"
+DS_BUILD_OPS=0 $PIP install -e ".[${extras}]"
+echo "ckptlib set up in .venv ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

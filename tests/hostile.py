@@ -1,0 +1,39 @@
+"""Builders of hostile and damaged torch files for the safety tests (no DeepSpeed needed)."""
+from __future__ import annotations
+
+import io
+import pickle
+import zipfile
+from pathlib import Path
+
+
+def marker_payload(marker: Path) -> dict[str, bytes]:
+    """Pickles (by name) that would create ``marker`` if anything ran them."""
+    cmd = f"touch {marker}"
+    pl = {}
+    # GLOBAL + REDUCE: os.system(cmd)
+    pl["os_system_reduce"] = b"\x80\x02cos\nsystem\nq\x00X" + len(cmd).to_bytes(4, "little") + cmd.encode() + b"\x85R."
+    # builtins.eval through GLOBAL
+    expr = f"__import__('os').system('{cmd}')"
+    pl["builtins_eval"] = b"\x80\x02c__builtin__\neval\nX" + len(expr).to_bytes(4, "little") + expr.encode() + b"\x85R."
+    # STACK_GLOBAL (protocol 4) of posix.system
+    def s(u):
+        b = u.encode()
+        return b"\x8c" + bytes([len(b)]) + b
+    pl["stack_global"] = (b"\x80\x04" + s("posix") + s("system") + b"\x93" + s(cmd) + b"\x85R.")
+    # nested inside a dict like a checkpoint's
+    inner = b"cos\nsystem\nX" + len(cmd).to_bytes(4, "little") + cmd.encode() + b"\x85R"
+    pl["nested_in_dict"] = b"\x80\x02}X\x06\x00\x00\x00moduleX\x01\x00\x00\x00a" + inner + b"\x86s."
+    # an allowed container BUILD with a hostile __setstate__ target: subprocess.Popen via NEWOBJ
+    pl["newobj_popen"] = (b"\x80\x02csubprocess\nPopen\n]X\x05\x00\x00\x00touchaX" + len(str(marker)).to_bytes(4, "little")
+                          + str(marker).encode() + b"a\x85\x81.")
+    return pl
+
+
+def write_torch_zip(path: Path, data_pkl: bytes, prefix: str = "archive") -> Path:
+    """A zip laid out like torch.save's, holding the given data.pkl."""
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as z:
+        z.writestr(f"{prefix}/data.pkl", data_pkl)
+        z.writestr(f"{prefix}/byteorder", "little")
+        z.writestr(f"{prefix}/version", "3\n")
+    return path

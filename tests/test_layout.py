@@ -1,0 +1,82 @@
+"""Pure layout arithmetic: the worked example of the format notes, and properties on random layouts."""
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ckptlib.layout import FlatGroupLayout, Zero3Layout, chunk_size, zero3_real_counts
+
+# Appendix A of the format notes (real files, N=3): emb 370, l1.weight 70, l1.bias 7, l2.weight 185.
+PARAMS = [("emb", (37, 10)), ("l1.weight", (7, 10)), ("l1.bias", (7,)), ("l2.weight", (37, 5))]
+
+
+def test_zero2_worked_example():
+    lay = FlatGroupLayout.build(PARAMS, world_size=3)
+    assert lay.total == 632 and lay.padded_total == 636 and lay.partition_size == 212
+    assert [lay.lean_length(r) for r in range(3)] == [212, 212, 208]
+    assert [lay.tail_padding(r) for r in range(3)] == [0, 0, 4]
+    assert [(p.rank, p.rank_start, p.param_start, p.count) for p in lay.pieces("emb")] == [(0, 0, 0, 212), (1, 0, 212, 158)]
+    assert [(p.rank, p.rank_start, p.count) for p in lay.pieces("l1.weight")] == [(1, 158, 54), (2, 0, 16)]
+    assert lay.slice_mappings(2) == {"l1.weight": (0, 16), "l1.bias": (16, 7), "l2.weight": (23, 185)}
+    segs = lay.segments(2)
+    assert segs[-1].is_padding and segs[-1].count == 4
+
+
+def test_zero3_worked_example():
+    lay = Zero3Layout.build([PARAMS[:1], PARAMS[1:]], world_size=3)
+    assert lay.sub_group_sizes == (124, 24 + 3 + 62)
+    assert zero3_real_counts(370, 3) == [124, 124, 122]
+    assert [(p.rank, p.rank_start, p.param_start, p.count) for p in lay.pieces("l1.bias")] == [
+        (0, 24, 0, 3), (1, 24, 3, 3), (2, 24, 6, 1)]
+    # a parameter with fewer elements than ranks leaves trailing ranks with padding only
+    tiny = Zero3Layout.build([[("t", (3,))]], world_size=5)
+    assert [p.rank for p in tiny.pieces("t")] == [0, 1, 2]
+    assert tiny.segments(4, 0)[0].is_padding
+
+
+shapes = st.lists(st.tuples(st.integers(1, 40), st.integers(1, 5)), min_size=1, max_size=12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(shapes=shapes, n=st.integers(1, 512), pads=st.booleans())
+def test_flat_group_pieces_tile_every_parameter(shapes, n, pads):
+    params = [(f"p{i}", s) for i, s in enumerate(shapes)]
+    paddings = [(-math.prod(s)) % 8 for s in shapes[:-1]] + [0] if pads else None
+    lay = FlatGroupLayout.build(params, world_size=n, paddings_after=paddings)
+    assert lay.padded_total % (2 * n) == 0 and lay.padded_total - lay.total < 2 * n
+    covered = 0
+    for name, shape in params:
+        pcs = lay.pieces(name)
+        assert sum(p.count for p in pcs) == math.prod(shape)
+        pos = 0
+        for p in pcs:  # contiguous in the parameter, inside one rank's partition
+            assert p.param_start == pos and 0 <= p.rank_start and p.rank_start + p.count <= lay.partition_size
+            assert p.rank * lay.partition_size + p.rank_start == lay.slot(name).offset + p.param_start
+            pos += p.count
+        covered += pos
+    # the segments of all ranks partition the padded group exactly
+    # ranks past the data hold padding only, so checking the ranks that hold data covers everything
+    busy = range(min(n, lay.total // max(lay.partition_size, 1) + 1))
+    total = 0
+    for r in busy:
+        segs = lay.segments(r)
+        assert sum(s.count for s in segs) == lay.partition_size
+        assert all(a.rank_start + a.count == b.rank_start for a, b in zip(segs, segs[1:]))
+        total += sum(s.count for s in segs if not s.is_padding)
+    assert total == covered == lay.numel
+    assert sum(lay.lean_length(r) for r in range(n)) == lay.total
+
+
+@settings(max_examples=200, deadline=None)
+@given(groups=st.lists(shapes, min_size=1, max_size=3), n=st.integers(1, 512))
+def test_zero3_pieces_tile_every_parameter(groups, n):
+    sub_groups = [[(f"g{g}p{i}", s) for i, s in enumerate(grp)] for g, grp in enumerate(groups)]
+    lay = Zero3Layout.build(sub_groups, world_size=n)
+    for g, grp in enumerate(sub_groups):
+        assert lay.sub_group_sizes[g] == sum(chunk_size(math.prod(s), n) for _, s in grp)
+        for r in {0, n // 2, n - 1}:
+            assert sum(s.count for s in lay.segments(r, g)) == lay.sub_group_sizes[g]
+        for name, shape in grp:
+            pcs = lay.pieces(name)
+            assert sum(p.count for p in pcs) == math.prod(shape)
+            assert [p.param_start for p in pcs] == [p.rank * chunk_size(math.prod(shape), n) for p in pcs]

@@ -1,0 +1,91 @@
+"""The safe reader never runs code from a checkpoint and explains what it refuses."""
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from ckptlib import UnsafeCheckpointError, UnsupportedCheckpointError, IncompleteCheckpointError
+from ckptlib.torchzip import open_torch_file
+from tests.hostile import marker_payload, write_torch_zip
+
+PAYLOADS = sorted(marker_payload(__import__("pathlib").Path("/x")))
+
+
+@pytest.mark.parametrize("kind", PAYLOADS)
+def test_hostile_pickle_is_refused_and_nothing_runs(tmp_path, kind):
+    marker = tmp_path / "marker"
+    f = write_torch_zip(tmp_path / "evil.pt", marker_payload(marker)[kind])
+    with pytest.raises(UnsafeCheckpointError) as e:
+        open_torch_file(f)
+    assert str(f) in str(e.value) and "nothing from the file was run" in str(e.value)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("kind", ["os_system_reduce", "stack_global", "nested_in_dict"])
+def test_control_the_payload_is_real(tmp_path, kind):
+    """Without the restricted unpickler the same bytes do run code (so the test above can fail)."""
+    marker = tmp_path / "marker"
+    data = marker_payload(marker)[kind]
+    subprocess.run([sys.executable, "-c", f"import pickle; pickle.loads({data!r})"], check=False)
+    assert marker.exists()
+
+
+def test_hostile_file_inside_a_checkpoint_is_refused_by_the_cli(tmp_path):
+    marker = tmp_path / "marker"
+    tag = tmp_path / "ckpt" / "global_step1"
+    tag.mkdir(parents=True)
+    (tmp_path / "ckpt" / "latest").write_text("global_step1")
+    write_torch_zip(tag / "mp_rank_00_model_states.pt", marker_payload(marker)["os_system_reduce"])
+    r = subprocess.run([sys.executable, "-m", "ckptlib", "inspect", str(tmp_path / "ckpt")],
+                       capture_output=True, text=True)
+    assert r.returncode == 2
+    assert "mp_rank_00_model_states.pt" in r.stderr and "os.system" in r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+    assert not marker.exists()
+
+
+def test_legacy_torch_file_is_recognised_and_explained(tmp_path):
+    f = tmp_path / "old.pt"
+    torch.save({"w": torch.ones(3)}, f, _use_new_zipfile_serialization=False)
+    with pytest.raises(UnsupportedCheckpointError, match="legacy"):
+        open_torch_file(f)
+
+
+@pytest.mark.parametrize("content", [b"", b"\x00" * 100, os.urandom(4096)])
+def test_garbage_files_give_clear_errors(tmp_path, content):
+    f = tmp_path / "bad.pt"
+    f.write_bytes(content)
+    with pytest.raises(IncompleteCheckpointError) as e:
+        open_torch_file(f)
+    assert str(f) in str(e.value)
+
+
+def test_truncated_zip_is_reported(tmp_path):
+    f = tmp_path / "t.pt"
+    torch.save({"w": torch.arange(1000.0)}, f)
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    with pytest.raises(IncompleteCheckpointError, match="damaged or truncated"):
+        open_torch_file(f)
+
+
+def test_tensor_handles_read_ranges_without_reading_everything(tmp_path):
+    f = tmp_path / "t.pt"
+    big = torch.arange(1_000_000, dtype=torch.float32)
+    torch.save({"a": big, "view": big[10:20], "bf": torch.arange(7, dtype=torch.bfloat16), "i": torch.tensor([2**40])}, f)
+    tf = open_torch_file(f)
+    assert tf.stats.bytes_read < 10_000
+    h = tf.obj["a"]
+    assert h.shape == (1_000_000,) and h.dtype == torch.float32
+    before = tf.stats.bytes_read
+    assert torch.equal(h.read_flat(500_000, 10), big[500_000:500_010])
+    assert tf.stats.bytes_read - before == 40
+    assert torch.equal(tf.obj["view"].read(), big[10:20])
+    assert torch.equal(tf.obj["bf"].read(), torch.arange(7, dtype=torch.bfloat16))
+    assert tf.obj["i"].read().item() == 2**40
+    out = torch.empty(5)
+    assert tf.obj["a"].read_flat(3, 5, out=out) is out and out.tolist() == [3, 4, 5, 6, 7]
