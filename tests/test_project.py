@@ -14,9 +14,14 @@ def _split(req: str) -> tuple[str, str]:
 
 def _env_entries() -> dict[str, str]:
     out = {}
+    in_deps = False
     for line in (ROOT / "environment.yml").read_text().splitlines():
-        line = line.split("#", 1)[0].strip()
-        if line.startswith("- ") and not line.endswith(":"):
+        line = line.split("#", 1)[0].rstrip()
+        if not line.startswith(" ") and line:
+            in_deps = line.startswith("dependencies:")
+            continue
+        line = line.strip()
+        if in_deps and line.startswith("- ") and not line.endswith(":"):
             item = line[2:].strip()
             if item.startswith("-e") or item in ("pip",) or item.startswith("python="):
                 continue

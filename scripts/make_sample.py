@@ -1,0 +1,64 @@
+#!/usr/bin/env python
+"""Make the bundled sample checkpoint ``samples/zero2_bf16_w2/``.
+
+It is a real DeepSpeed checkpoint (ZeRO-2, bf16, 2 ranks, the test suite's FixtureNet),
+written by running the fixture generator with ``--only z2_bf16_w2`` under
+``torch.distributed.run`` into a temporary folder, checking the result and copying it:
+
+    samples/zero2_bf16_w2/ckpt/          the save_dir (latest, global_step2/, zero_to_fp32.py, ...)
+    samples/zero2_bf16_w2/reference.pt   ground truth from the live engine (see tests/fixtures/generate.py)
+    samples/zero2_bf16_w2/fixture.json   metadata
+
+Needs torch and deepspeed (CPU is fine). Usage: ``python scripts/make_sample.py [--out DIR]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from tests.fixtures.factory import _tail, check_fixture_dir, run_generator  # noqa: E402
+
+FIXTURE = "z2_bf16_w2"
+WORLD = 2
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=REPO / "samples" / "zero2_bf16_w2")
+    args = ap.parse_args(argv)
+
+    with tempfile.TemporaryDirectory(prefix="ckptlib-sample-") as tmp:
+        tmp = Path(tmp)
+        log = tmp / "generate.log"
+        rc = run_generator(WORLD, tmp / "out", log, only=[FIXTURE])
+        src = tmp / "out" / FIXTURE
+        problems = check_fixture_dir(src)
+        if problems:
+            print(f"generation failed (exit code {rc}): {problems}\n{_tail(log)}", file=sys.stderr)
+            return 1
+        if rc != 0:
+            print(f"note: generator exit code {rc}, but every file was produced and checked", file=sys.stderr)
+        dest = args.out.resolve()
+        if dest.exists():
+            shutil.rmtree(dest)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(src, dest)
+
+    size = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
+    print(f"wrote {dest} ({size / 1024:.0f} KiB):")
+    for f in sorted(dest.rglob("*")):
+        if f.is_file():
+            print(f"  {f.relative_to(dest)}  {f.stat().st_size} B")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

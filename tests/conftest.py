@@ -1,0 +1,65 @@
+"""Session fixtures: real DeepSpeed checkpoints, made once and cached (see tests/fixtures/factory.py).
+
+Tests that take ``ds_fixture`` run once per fixture configuration; the names are known at collection
+time from the generator's own list, the checkpoints are made (or found in the cache) on first use.
+``CKPTLIB_FIXTURE_WORLDS`` (default ``1,2,3,4``) limits the world sizes.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+WORLDS = tuple(int(w) for w in os.environ.get("CKPTLIB_FIXTURE_WORLDS", "1,2,3,4").split(","))
+
+
+def fixture_names() -> list[str]:
+    from tests.fixtures.generate import all_specs
+
+    return [s.name for w in WORLDS for s in all_specs(w)]
+
+
+@pytest.fixture(scope="session")
+def ds_fixtures() -> dict:
+    from tests.fixtures.factory import ensure_fixtures, list_fixtures
+
+    root = ensure_fixtures(worlds=WORLDS)
+    out = {}
+    for fx in list_fixtures(root):
+        fx["path"] = Path(fx["path"])
+        fx["checkpoint_path"] = Path(fx["checkpoint_path"])
+        out[fx["name"]] = fx
+    return out
+
+
+@pytest.fixture(scope="session")
+def fixture_by_name(ds_fixtures):
+    def get(name: str) -> dict:
+        if name not in ds_fixtures:
+            pytest.skip(f"fixture {name} not generated (CKPTLIB_FIXTURE_WORLDS={','.join(map(str, WORLDS))})")
+        return ds_fixtures[name]
+
+    return get
+
+
+@pytest.fixture
+def ds_fixture(request, fixture_by_name):
+    return fixture_by_name(request.param)
+
+
+def pytest_generate_tests(metafunc):
+    if "ds_fixture" in metafunc.fixturenames:
+        names = fixture_names()
+        only = getattr(metafunc.function, "fixture_filter", None)
+        if only is not None:
+            names = [n for n in names if only(n)]
+        metafunc.parametrize("ds_fixture", names, indirect=True)
+
+
+def only_fixtures(predicate):
+    """Decorator: run a ``ds_fixture`` test only on fixtures whose name satisfies ``predicate``."""
+    def deco(fn):
+        fn.fixture_filter = predicate
+        return fn
+    return deco
