@@ -50,7 +50,9 @@ def main(argv=None) -> int:
         if dest.exists():
             shutil.rmtree(dest)
         dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(src, dest)
+        # DeepSpeed copies its own converter scripts next to `latest`; they are DeepSpeed's code, not ours,
+        # and not part of the checkpoint's data, so the bundled sample leaves them out.
+        shutil.copytree(src, dest, ignore=shutil.ignore_patterns("zero_to_fp32.py", "zero_to_torch.py"))
 
     size = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
     print(f"wrote {dest} ({size / 1024:.0f} KiB):")
