@@ -67,7 +67,7 @@ def main():
     engine.step()
     engine.save_checkpoint(args.out, client_state={"universal_checkpoint_info": {"universal_checkpoint_version": 0.4}})
     if int(os.environ.get("RANK", 0)) == 0:
-        n = sum(p.numel() for p in model.parameters())
+        n = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
         print(f"saved {args.out}: {n / 1e6:.1f} M parameters ({4 * n / 2**20:.0f} MiB fp32) in {time.time() - t0:.0f} s")
     engine.destroy()
     torch.distributed.destroy_process_group()

@@ -65,26 +65,42 @@ class ChunkBuffers:
         return self._cast[:n * dtype.itemsize].view(dtype)
 
 
-def stream_tensor(ck: Checkpoint, t: PlannedTensor, write: Callable[[memoryview], None], bufs: ChunkBuffers,
+def stream_tensor(ck: Checkpoint, t: PlannedTensor, sink, bufs: ChunkBuffers,
                   progress: Callable[[int], None] = lambda n: None, cancel: Optional[threading.Event] = None) -> None:
-    """Write the bytes of one planned tensor, chunk by chunk, through ``write``. Memory: the buffers."""
+    """Write the bytes of one planned tensor, chunk by chunk, into ``sink``. Memory: the buffers.
+
+    ``sink`` has ``write(memoryview)`` and, optionally, ``copy_from(fd, offset, nbytes)``: ranges whose
+    stored dtype is the output dtype are then copied file-to-file inside the kernel.
+    """
     ranges = ck.sources(t.source, t.key)
+    direct = hasattr(sink, "copy_from")
     for r in ranges:
-        step = bufs.elems(r.handle.dtype, t.dtype)
-        pos = 0
-        while pos < r.count:
-            check_cancel(cancel)
-            n = min(step, r.count - pos)
-            chunk = r.handle.read_flat(r.start + pos, n, out=bufs.read_view(r.handle.dtype, n))
-            if chunk.dtype != t.dtype:
-                cast = bufs.cast_view(t.dtype, n)
-                cast.copy_(chunk)
-                chunk = cast
-            write(memoryview(chunk.view(torch.uint8).numpy()))
-            progress(n * t.dtype.itemsize)
-            pos += n
-    for f in {id(r.handle.storage.file): r.handle.storage.file for r in ranges}.values():
-        f.drop_cache()  # keep the page cache small: these pages are not needed again
+        h = r.handle
+        if direct and h.dtype == t.dtype and h.is_contiguous():
+            step = max(1, bufs.chunk_bytes // h.itemsize)  # kernel copy: no buffer, same progress granularity
+            pos = 0
+            while pos < r.count:
+                check_cancel(cancel)
+                n = min(step, r.count - pos)
+                sink.copy_from(h.storage.file.fileno(), h.byte_offset(r.start + pos), n * h.itemsize)
+                h.storage.file.count_read(n * h.itemsize)
+                progress(n * h.itemsize)
+                pos += n
+        else:
+            step = bufs.elems(h.dtype, t.dtype)
+            pos = 0
+            while pos < r.count:
+                check_cancel(cancel)
+                n = min(step, r.count - pos)
+                chunk = h.read_flat(r.start + pos, n, out=bufs.read_view(h.dtype, n))
+                if chunk.dtype != t.dtype:
+                    cast = bufs.cast_view(t.dtype, n)
+                    cast.copy_(chunk)
+                    chunk = cast
+                sink.write(memoryview(chunk.view(torch.uint8).numpy()))
+                progress(n * t.dtype.itemsize)
+                pos += n
+        h.drop_cache(r.start, r.count)  # keep the page cache small: these pages are not needed again
 
 
 def _specs(f: PlannedFile) -> list[TensorSpec]:
@@ -126,7 +142,7 @@ def write_unit(ck: Checkpoint, plan: ExportPlan, tmp: Path, file_index: int, ten
                 if observer:
                     observer.on_tensor(t.name)
                 sink = PwriteSink(fd, layout.tensor_offset(t.name))
-                stream_tensor(ck, t, sink.write, bufs, progress, cancel)
+                stream_tensor(ck, t, sink, bufs, progress, cancel)
         finally:
             os.close(fd)
     else:
@@ -135,7 +151,7 @@ def write_unit(ck: Checkpoint, plan: ExportPlan, tmp: Path, file_index: int, ten
             if observer:
                 observer.on_tensor(t.name)
             writer.begin_tensor(i)
-            stream_tensor(ck, t, writer.write, bufs, progress, cancel)
+            stream_tensor(ck, t, writer, bufs, progress, cancel)
         writer.close()
 
 

@@ -151,6 +151,16 @@ class TensorHandle:
             return out
         return full.clone()
 
+    def byte_offset(self, start: int = 0) -> int:
+        """Absolute file offset of flattened element ``start`` (contiguous tensors)."""
+        return self.storage.data_offset + (self.storage_offset + start) * self.itemsize
+
+    def drop_cache(self, start: int = 0, count: Optional[int] = None) -> None:
+        """Advise the kernel that elements ``[start, start+count)`` will not be read again (page cache)."""
+        count = self.numel - start if count is None else count
+        if count > 0 and self.is_contiguous():
+            self.storage.file.drop_cache(self.byte_offset(start), count * self.itemsize)
+
     def read(self) -> torch.Tensor:
         """The whole tensor with its shape. Memory: its ``nbytes``."""
         return self.read_flat().reshape(self.shape)

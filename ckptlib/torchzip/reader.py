@@ -261,11 +261,21 @@ class TorchFile:
             return torch.empty(0, dtype=storage.dtype)
         return torch.frombuffer(buf, dtype=storage.dtype)
 
-    def drop_cache(self) -> None:
-        """Tell the kernel this file's pages are no longer needed (keeps the page cache small)."""
+    def fileno(self) -> int:
+        if self._fd is None:
+            raise CkptError("file is closed", path=self.path)
+        return self._fd
+
+    def count_read(self, nbytes: int) -> None:
+        """Account for bytes read outside :meth:`read_elements` (kernel-side copies)."""
+        self.stats.add(nbytes)
+        GLOBAL_STATS.add(nbytes)
+
+    def drop_cache(self, offset: int = 0, length: int = 0) -> None:
+        """Tell the kernel these bytes (default: the whole file) are no longer needed in the page cache."""
         if self._fd is not None and hasattr(os, "posix_fadvise"):
             try:
-                os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.posix_fadvise(self._fd, offset, length, os.POSIX_FADV_DONTNEED)
             except OSError:
                 pass
 

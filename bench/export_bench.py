@@ -1,0 +1,116 @@
+"""Benchmark `ckpt export` against DeepSpeed's `zero_to_fp32.py --safe_serialization`, in one run.
+
+    python bench/export_bench.py .bench-work/z2_bf16_w4 .bench-work/z3_bf16_w4 --rounds 3
+
+For each checkpoint the two tools run alternately, each round after dropping the page cache (when
+allowed), and each in its own process sampled from /proc every 5 ms: wall time, peak RssAnon and
+RssFile, and bytes read from storage. Memory is also given over each tool's own import baseline (a
+process that only imports what the tool imports). The outputs are compared tensor by tensor. Results
+are printed as a markdown table with ckptlib/DeepSpeed ratios (make the checkpoints with
+bench/make_checkpoint.py; see docs/benchmarks.md).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from procmon import drop_caches, run  # noqa: E402
+
+PY = sys.executable
+#: the anchor, ckptlib's default run (same output), and two variants that take the buffered path
+TOOLS = {"ds": None, "ck": [], "ck-torch": ["--format", "torch"], "ck-bf16": ["--dtype", "bf16"]}
+LABELS = {"ck": "ckpt export", "ck-torch": "ckpt export --format torch", "ck-bf16": "ckpt export --dtype bf16"}
+MIB = 2**20
+
+
+def baseline(imports: str) -> int:
+    return run([PY, "-c", f"import {imports}; import time; time.sleep(0.5)"]).peak_anon
+
+
+def compare(a: Path, b: Path) -> str:
+    import safetensors.torch
+    import torch
+
+    x, y = safetensors.torch.load_file(a), safetensors.torch.load_file(b)
+    if set(x) != set(y):
+        return f"different keys: {sorted(set(x) ^ set(y))[:5]}"
+    bad = [k for k in x if not torch.equal(x[k], y[k])]
+    return "identical tensors" if not bad else f"{len(bad)} tensors differ"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("checkpoints", nargs="+", type=Path)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--work", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=None, help="also write the raw figures here")
+    args = ap.parse_args()
+    work = args.work or Path(tempfile.mkdtemp(prefix="ckptlib-bench-"))
+    base_ck = baseline("ckptlib.cli, ckptlib.export, ckptlib.export.run, tqdm")
+    base_ds = baseline("torch, deepspeed, safetensors, huggingface_hub")
+    dropped = drop_caches()
+    print(f"import baselines (RssAnon): ckptlib {base_ck / MIB:.0f} MiB, DeepSpeed {base_ds / MIB:.0f} MiB; "
+          f"page cache dropped before each run: {dropped}")
+    rows, raw = [], {}
+    for ckpt in args.checkpoints:
+        res = {tool: [] for tool in TOOLS}
+        for r in range(args.rounds):
+            for tool, extra in TOOLS.items():
+                out = work / f"{ckpt.name}-{tool}"
+                shutil.rmtree(out, ignore_errors=True)
+                drop_caches()
+                if tool == "ds":
+                    cmd = [PY, str(ckpt / "zero_to_fp32.py"), str(ckpt), str(out), "--safe_serialization"]
+                else:
+                    cmd = [PY, "-m", "ckptlib", "export", str(ckpt), str(out), "-q", *extra]
+                st = run(cmd)
+                if st.returncode != 0:
+                    print(st.stderr[-2000:], file=sys.stderr)
+                    raise SystemExit(f"{tool} failed on {ckpt}")
+                res[tool].append(st)
+                print(f"  {ckpt.name} round {r + 1} {tool}: {st.wall:.2f} s, anon {st.peak_anon / MIB:.0f} MiB, "
+                      f"file {st.peak_file / MIB:.0f} MiB, read {st.read_bytes / MIB:.0f} MiB", flush=True)
+        verdict = compare(work / f"{ckpt.name}-ds" / "model.safetensors", work / f"{ckpt.name}-ck" / "model.safetensors")
+        import safetensors.torch
+        import torch
+        half = safetensors.torch.load_file(work / f"{ckpt.name}-ck-bf16" / "model.safetensors")
+        full = safetensors.torch.load_file(work / f"{ckpt.name}-ck" / "model.safetensors")
+        verdict += "; bf16 output == fp32 output cast by torch: " + str(
+            all(torch.equal(half[k], full[k].to(torch.bfloat16)) for k in full))
+        med = {t: {k: statistics.median(getattr(s, k) for s in v) for k in ("wall", "peak_anon", "peak_file", "read_bytes")}
+               for t, v in res.items()}
+        raw[ckpt.name] = {"median": med, "baseline_anon": {"ck": base_ck, "ds": base_ds}, "outputs": verdict}
+        rows.append((ckpt.name, med, verdict))
+    print()
+    print("| checkpoint | tool | wall time (median) | peak RssAnon | over import baseline | peak RssFile "
+          "| read from storage |")
+    print("|---|---|---|---|---|---|---|")
+    for name, med, verdict in rows:
+        ds = med["ds"]
+        for tool, m in med.items():
+            base = base_ds if tool == "ds" else base_ck
+            label = "DeepSpeed zero_to_fp32.py --safe_serialization" if tool == "ds" else LABELS[tool]
+
+            def cell(key, fmt, over_baseline=False):
+                mine = m[key] - (base if over_baseline else 0)
+                anchor = ds[key] - (base_ds if over_baseline else 0)
+                ratio = "" if tool == "ds" or anchor <= 0 else f" ({mine / anchor:.2f}x)"
+                return fmt(mine) + ratio
+
+            mib = lambda v: f"{v / MIB:.0f} MiB"  # noqa: E731
+            print(f"| {name} | {label} | {cell('wall', lambda v: f'{v:.2f} s')} | {cell('peak_anon', mib)} | "
+                  f"{cell('peak_anon', mib, True)} | {cell('peak_file', mib)} | {cell('read_bytes', mib)} |")
+        print(f"| {name} | outputs of DeepSpeed and ckpt export | {verdict} | | | | |")
+    if args.json:
+        args.json.write_text(json.dumps(raw, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
