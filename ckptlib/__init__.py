@@ -8,6 +8,8 @@ Public API::
     w = ckpt.read_param("model.embed.weight")                 # fp32, bit-exact master weights
 """
 from .deepspeed import Checkpoint, open_checkpoint
+from .export import ExportPlan, ExportResult, export, plan_export
+from .progress import Cancelled, Observer
 from .errors import (CkptError, IncompleteCheckpointError, NotACheckpointError, OutputError,
                      UnsafeCheckpointError, UnsupportedCheckpointError)
 from .summary import describe
@@ -15,7 +17,8 @@ from .summary import describe
 __version__ = "0.1.0"
 
 __all__ = [
-    "Checkpoint", "open_checkpoint", "describe",
+    "Checkpoint", "open_checkpoint", "describe", "plan_export", "export", "ExportPlan", "ExportResult",
+    "Observer", "Cancelled",
     "CkptError", "IncompleteCheckpointError", "NotACheckpointError", "OutputError", "UnsafeCheckpointError",
     "UnsupportedCheckpointError",
 ]
