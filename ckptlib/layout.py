@@ -45,6 +45,13 @@ class Piece:
 
 
 @dataclass(frozen=True)
+class Zeros:
+    """``count`` zero elements (partition padding) in a re-sliced partition."""
+
+    count: int
+
+
+@dataclass(frozen=True)
 class Segment:
     """One stretch of a rank's flat tensor: a parameter's elements, or padding (``name`` is None)."""
 
@@ -248,6 +255,20 @@ class Zero3Layout:
         return [Piece(rank=r, group=s.sub_group, rank_start=s.offset, param_start=r * c, count=n)
                 for r, n in enumerate(zero3_real_counts(s.numel, self.world_size)) if n > 0]
 
+    def param_range_pieces(self, name: str, start: int, count: int) -> list[Piece]:
+        """Pieces holding elements ``[start, start+count)`` of parameter ``name`` (``param_start`` absolute)."""
+        s = self.slot(name)
+        c = chunk_size(s.numel, self.world_size)
+        out, i, end = [], start, start + count
+        if end > s.numel:
+            raise IndexError(f"{name} has {s.numel} elements; [{start}, {end}) is out of bounds")
+        while i < end:
+            rank, off = divmod(i, c)
+            n = min(c - off, end - i)
+            out.append(Piece(rank=rank, group=s.sub_group, rank_start=s.offset + off, param_start=i, count=n))
+            i += n
+        return out
+
     def segments(self, rank: int, sub_group: int) -> list[Segment]:
         """Parameter chunks and padding in ``rank``'s flat tensor of ``sub_group``."""
         segs: list[Segment] = []
@@ -272,3 +293,60 @@ def zero3_real_counts(numel: int, world_size: int) -> list[int]:
     """How many real (non-padding) elements of a ZeRO-3 parameter each rank holds."""
     c = chunk_size(numel, world_size)
     return [max(0, min(c, numel - r * c)) for r in range(world_size)]
+
+
+def zero3_sub_groups(numels: Sequence[int], world_size: int, sub_group_size: int) -> list[list[int]]:
+    """Indices of one optimizer group's parameters cut into ZeRO-3 sub-groups, as DeepSpeed cuts them.
+
+    Parameters are taken in order; a sub-group closes once the sum of its parameters' partition sizes
+    (``ceil(numel/N)``) reaches ``sub_group_size``, and at the last parameter. A group whose total
+    partition size does not exceed ``sub_group_size`` is one sub-group.
+    """
+    if not numels:
+        return []
+    sizes = [chunk_size(n, world_size) for n in numels]
+    if sub_group_size is None or sub_group_size >= sum(sizes):
+        return [list(range(len(numels)))]
+    groups, current, acc = [], [], 0
+    for i, size in enumerate(sizes):
+        current.append(i)
+        acc += size
+        if acc >= sub_group_size or i == len(sizes) - 1:
+            groups.append(current)
+            current, acc = [], 0
+    return groups
+
+
+def reslice_flat(src: FlatGroupLayout, dst: FlatGroupLayout, rank: int, padded: bool = True) -> list:
+    """What target ``rank``'s partition of ``dst`` is made of: pieces of ``src`` partitions, then zeros.
+
+    ``src`` and ``dst`` are the same flat group at two world sizes. With ``padded`` the list covers the
+    whole target partition (Adam moments, BF16_Optimizer fp32); without, only its real elements (the
+    lean fp32 partition ZeRO-1/2 save).
+    """
+    if src.total != dst.total:
+        raise ValueError("source and target layouts hold different flat groups")
+    start, end = dst.rank_range(rank)
+    real_end = max(start, min(end, dst.total))
+    out: list = src.range_pieces(start, real_end - start) if real_end > start else []
+    if padded and end > real_end:
+        out.append(Zeros(end - real_end))
+    return out
+
+
+def reslice_zero3(src: Zero3Layout, dst: Zero3Layout, rank: int, sub_group: int) -> list:
+    """What target ``rank``'s flat tensor of ``dst`` sub-group ``sub_group`` is made of: for each of its
+    parameters, the source pieces of the chunk ``[rank·c, (rank+1)·c)`` (``c = ceil(numel/M)``), then
+    zeros where the chunk runs past the parameter."""
+    out: list = []
+    for s in dst.slots:
+        if s.sub_group != sub_group:
+            continue
+        c = chunk_size(s.numel, dst.world_size)
+        lo = rank * c
+        real = max(0, min(c, s.numel - lo))
+        if real:
+            out += src.param_range_pieces(s.name, lo, real)
+        if c - real:
+            out.append(Zeros(c - real))
+    return out

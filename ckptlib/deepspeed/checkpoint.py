@@ -636,6 +636,32 @@ class Checkpoint:
         return names + [n for n in [p.name for p in self.parameters] + [b.name for b in self.buffers]
                         if n not in set(names)]
 
+    # ================================================================== files as objects
+    def model_states_file(self, dp_rank: Optional[int] = None) -> TorchFile:
+        """The (opened) model-states file: ZeRO-1/2's single one, or ZeRO-3 rank ``dp_rank``'s."""
+        for f in self._files_of(fnames.MODEL_STATES):
+            if dp_rank is None or f.dp_rank == dp_rank:
+                tf = self._file(f)
+                if tf is not None:
+                    return tf
+        raise IncompleteCheckpointError(f"no readable model-states file for dp rank {dp_rank}",
+                                        path=self.location.tag_dir)
+
+    def optim_states_file(self, dp_rank: int) -> TorchFile:
+        """The (opened) optimizer-states file of ``dp_rank``."""
+        for f in self._files_of(fnames.OPTIM_STATES):
+            if f.dp_rank == dp_rank:
+                tf = self._file(f)
+                if tf is not None:
+                    return tf
+        raise IncompleteCheckpointError(f"no readable optimizer-states file for dp rank {dp_rank}",
+                                        path=self.location.tag_dir)
+
+    @property
+    def ds_config(self) -> dict:
+        cfg = self._model.get("ds_config")
+        return cfg if isinstance(cfg, dict) else {}
+
     # ================================================================== misc
     @property
     def total_bytes(self) -> int:

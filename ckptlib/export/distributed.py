@@ -18,7 +18,8 @@ from ..errors import CkptError
 from ..output import AtomicOutputDir
 from ..progress import Observer, check_cancel
 from .plan import ExportPlan
-from .run import ChunkBuffers, ExportResult, assign, prepare_files, work_units, write_indexes, write_unit
+from ..streaming import ChunkBuffers
+from .run import ExportResult, assign, prepare_files, work_units, write_indexes, write_unit
 
 
 def run_export_distributed(plan: ExportPlan, observer: Optional[Observer] = None,

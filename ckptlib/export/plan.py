@@ -17,12 +17,11 @@ import torch
 from ..deepspeed import Checkpoint, open_checkpoint
 from ..errors import CkptError, OutputError
 from ..summary import human_bytes
+from ..streaming import DEFAULT_CHUNK_BYTES
 from ..torchzip import dtype_name, itemsize
 
 OUTPUT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FORMATS = ("safetensors", "torch")
-#: bytes of each of the two streaming buffers (read, cast)
-DEFAULT_CHUNK_BYTES = 16 * 2**20
 #: interpreter-side allowance for metadata, headers and bookkeeping
 FIXED_OVERHEAD_BYTES = 8 * 2**20
 

@@ -12,6 +12,7 @@ end (:class:`~ckptlib.output.AtomicOutputDir`).
 """
 from __future__ import annotations
 
+import collections
 import json
 import multiprocessing as mp
 import os
@@ -28,7 +29,10 @@ from ..deepspeed import Checkpoint, open_checkpoint
 from ..errors import CkptError, OutputError
 from ..output import AtomicOutputDir
 from ..progress import Observer, check_cancel
-from .formats import PwriteSink, SafetensorsLayout, TensorSpec, TorchZipWriter
+from ..streaming import ChunkBuffers, WriteSink, copy_ranges
+from ..torchzip.writer import NewTensor
+from ..torchzip.writer import save as torch_save
+from .formats import PwriteSink, SafetensorsLayout, TensorSpec
 from .plan import ExportPlan, PlannedFile, PlannedTensor
 
 
@@ -44,63 +48,10 @@ class ExportResult:
     plan: Optional[ExportPlan] = field(default=None, repr=False)
 
 
-class ChunkBuffers:
-    """Two reusable byte buffers of ``chunk_bytes`` each: one to read into, one to cast into.
-
-    Memory: exactly ``2 * chunk_bytes``, whatever the dtypes and tensor sizes.
-    """
-
-    def __init__(self, chunk_bytes: int):
-        self.chunk_bytes = max(16, chunk_bytes)
-        self._read = torch.empty(self.chunk_bytes, dtype=torch.uint8)
-        self._cast = torch.empty(self.chunk_bytes, dtype=torch.uint8)
-
-    def elems(self, *dtypes: torch.dtype) -> int:
-        return self.chunk_bytes // max(d.itemsize for d in dtypes)
-
-    def read_view(self, dtype: torch.dtype, n: int) -> torch.Tensor:
-        return self._read[:n * dtype.itemsize].view(dtype)
-
-    def cast_view(self, dtype: torch.dtype, n: int) -> torch.Tensor:
-        return self._cast[:n * dtype.itemsize].view(dtype)
-
-
 def stream_tensor(ck: Checkpoint, t: PlannedTensor, sink, bufs: ChunkBuffers,
                   progress: Callable[[int], None] = lambda n: None, cancel: Optional[threading.Event] = None) -> None:
-    """Write the bytes of one planned tensor, chunk by chunk, into ``sink``. Memory: the buffers.
-
-    ``sink`` has ``write(memoryview)`` and, optionally, ``copy_from(fd, offset, nbytes)``: ranges whose
-    stored dtype is the output dtype are then copied file-to-file inside the kernel.
-    """
-    ranges = ck.sources(t.source, t.key)
-    direct = hasattr(sink, "copy_from")
-    for r in ranges:
-        h = r.handle
-        if direct and h.dtype == t.dtype and h.is_contiguous():
-            step = max(1, bufs.chunk_bytes // h.itemsize)  # kernel copy: no buffer, same progress granularity
-            pos = 0
-            while pos < r.count:
-                check_cancel(cancel)
-                n = min(step, r.count - pos)
-                sink.copy_from(h.storage.file.fileno(), h.byte_offset(r.start + pos), n * h.itemsize)
-                h.storage.file.count_read(n * h.itemsize)
-                progress(n * h.itemsize)
-                pos += n
-        else:
-            step = bufs.elems(h.dtype, t.dtype)
-            pos = 0
-            while pos < r.count:
-                check_cancel(cancel)
-                n = min(step, r.count - pos)
-                chunk = h.read_flat(r.start + pos, n, out=bufs.read_view(h.dtype, n))
-                if chunk.dtype != t.dtype:
-                    cast = bufs.cast_view(t.dtype, n)
-                    cast.copy_(chunk)
-                    chunk = cast
-                sink.write(memoryview(chunk.view(torch.uint8).numpy()))
-                progress(n * t.dtype.itemsize)
-                pos += n
-        h.drop_cache(r.start, r.count)  # keep the page cache small: these pages are not needed again
+    """Write the bytes of one planned tensor into ``sink`` (see :func:`ckptlib.streaming.copy_ranges`)."""
+    copy_ranges(ck.sources(t.source, t.key), t.dtype, sink, bufs, progress, cancel)
 
 
 def _specs(f: PlannedFile) -> list[TensorSpec]:
@@ -145,14 +96,16 @@ def write_unit(ck: Checkpoint, plan: ExportPlan, tmp: Path, file_index: int, ten
                 stream_tensor(ck, t, sink, bufs, progress, cancel)
         finally:
             os.close(fd)
-    else:
-        writer = TorchZipWriter(path, _specs(f))
-        for i, t in enumerate(f.tensors):
-            if observer:
-                observer.on_tensor(t.name)
-            writer.begin_tensor(i)
-            stream_tensor(ck, t, writer, bufs, progress, cancel)
-        writer.close()
+    else:  # a torch zip file: one storage per tensor, each streamed in when the writer reaches it
+        def producer(t):
+            def produce(write):
+                if observer:
+                    observer.on_tensor(t.name)
+                stream_tensor(ck, t, WriteSink(write), bufs, progress, cancel)
+            return produce
+
+        torch_save(collections.OrderedDict((t.name, NewTensor(t.dtype, t.shape, producer(t))) for t in f.tensors),
+                   path, archive=Path(f.name).name.split(".")[0])
 
 
 def work_units(plan: ExportPlan) -> list[tuple[int, Optional[list], int]]:

@@ -82,6 +82,7 @@ class TensorHandle:
     stride: tuple
     requires_grad: bool = False
     is_parameter: bool = False
+    py_state: Optional[dict] = None  # Python attributes pickled with the tensor (e.g. ZeRO-3 ``ds_id``)
 
     # ------------------------------------------------------------------ metadata
     @property

@@ -106,8 +106,12 @@ def _rebuild_parameter(data, requires_grad, backward_hooks, *state):
 
 
 def _rebuild_from_type_v2(func, new_type, args, state):
-    # func is one of the allowed rebuild functions; new_type is ignored (Parameter/Tensor stand-ins)
-    return func(*args)
+    # func is one of the allowed rebuild functions; new_type is a _TensorType stand-in. Python attributes
+    # set on the tensor (DeepSpeed's ``ds_id`` on ZeRO-3 flat groups) are kept so a rewrite keeps them.
+    out = func(*args)
+    if isinstance(out, TensorHandle) and isinstance(state, dict) and state:
+        out.py_state = dict(state)
+    return out
 
 
 class _TensorType:
