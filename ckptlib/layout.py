@@ -350,3 +350,26 @@ def reslice_zero3(src: Zero3Layout, dst: Zero3Layout, rank: int, sub_group: int)
         if c - real:
             out.append(Zeros(c - real))
     return out
+
+
+def round_robin_order(count: int, world_size: int) -> list[int]:
+    """Natural indices of a group's parameters in the order DeepSpeed's ``round_robin_gradients`` puts
+    them in the flat group at ``world_size`` ranks: every ``world_size``-th parameter, starting at 0, 1, ..."""
+    return [i for j in range(min(world_size, count)) for i in range(j, count, world_size)]
+
+
+def reslice_by_params(src: FlatGroupLayout, dst: FlatGroupLayout, rank: int, padded: bool = True) -> list:
+    """Like :func:`reslice_flat` for flat groups that hold the same parameters in a different order (e.g.
+    ``round_robin_gradients`` at two world sizes): each parameter stretch of the target partition comes
+    from that parameter's place in the source; padding and alignment gaps are zeros."""
+    out: list = []
+    segs = dst.segments(rank)
+    if not padded:
+        while segs and segs[-1].is_padding:
+            segs.pop()
+    for seg in segs:
+        if seg.is_padding:
+            out.append(Zeros(seg.count))
+        else:
+            out += src.range_pieces(src.slot(seg.name).offset + seg.param_start, seg.count)
+    return out

@@ -158,3 +158,30 @@ def test_zero3_sub_groups_follow_deepspeed_rule():
     assert zero3_sub_groups([370, 70, 7, 185], 3, 100) == [[0], [1, 2, 3]]
     assert zero3_sub_groups([10, 10], 1, 10**9) == [[0, 1]]
     assert zero3_sub_groups([5, 5, 5], 1, 5) == [[0], [1], [2]]
+
+
+@settings(max_examples=100, deadline=None)
+@given(shapes=shapes, n=st.integers(1, 12), m=st.integers(1, 12))
+def test_round_robin_reslice_n_to_m_to_n_is_identity(shapes, n, m):
+    from ckptlib.layout import reslice_by_params, round_robin_order
+
+    natural = [(f"p{i}", s) for i, s in enumerate(shapes)]
+    a, b = (FlatGroupLayout.build([natural[i] for i in round_robin_order(len(natural), w)], w) for w in (n, m))
+    # flat buffers labelled (param, element)
+    def bufs(lay):
+        flat = [(s.name, i) for s in lay.slots for i in range(s.numel)]
+        return [flat[r * lay.partition_size:(r + 1) * lay.partition_size] +
+                [None] * max(0, (r + 1) * lay.partition_size - max(len(flat), r * lay.partition_size))
+                for r in range(lay.world_size)]
+
+    def apply(pieces, src):
+        vals = []
+        for p in pieces:
+            vals += [None] * p.count if isinstance(p, Zeros) else src[p.rank][p.rank_start:p.rank_start + p.count]
+        return vals
+
+    src = bufs(a)
+    mid = [apply(reslice_by_params(a, b, r), src) for r in range(m)]
+    assert mid == bufs(b)
+    assert [apply(reslice_by_params(b, a, r), mid) for r in range(n)] == src
+    assert sorted(round_robin_order(len(natural), n)) == list(range(len(natural)))

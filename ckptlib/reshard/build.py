@@ -17,7 +17,8 @@ import torch
 
 from ..deepspeed.checkpoint import BF16_OPTIMIZER, Checkpoint, SourceRange
 from ..errors import UnsupportedCheckpointError
-from ..layout import FlatGroupLayout, Piece, Zero3Layout, Zeros, chunk_size, reslice_flat, reslice_zero3, zero3_sub_groups
+from ..layout import (FlatGroupLayout, Piece, Zero3Layout, Zeros, chunk_size, reslice_by_params, reslice_flat,
+                      reslice_zero3, round_robin_order, zero3_sub_groups)
 from ..streaming import ChunkBuffers, WriteSink, copy_ranges, slice_ranges
 from ..torchzip import FragmentAddress, TensorHandle
 from ..torchzip.writer import NewTensor
@@ -44,6 +45,14 @@ def streamed(dtype: torch.dtype, ranges: list, ctx: StreamContext, requires_grad
     return t
 
 
+def copied(h: TensorHandle, ctx: StreamContext) -> NewTensor:
+    """A copy of a stored tensor with a storage of its own (so that no two target tensors share one)."""
+    t = NewTensor(h.dtype, tuple(h.shape), lambda write: copy_ranges([SourceRange(h, 0, h.numel)], h.dtype,
+                                                                     WriteSink(write), ctx.bufs), h.requires_grad)
+    t.read_bytes = h.nbytes
+    return t
+
+
 def _replace(d: dict, **new) -> dict:
     """A copy of ``d`` (same type, same key order) with some values replaced."""
     out = type(d)()
@@ -65,11 +74,30 @@ class Zero12Resharder:
         self.ck, self.m = ck, world_size
         self.bf16 = ck.flavor == BF16_OPTIMIZER
         self.src: list[FlatGroupLayout] = ck.layouts
-        self.dst = [FlatGroupLayout.build([(s.name, s.shape) for s in lay.slots], world_size,
-                                          paddings_after=[s.padding_after for s in lay.slots], group=g)
-                    for g, lay in enumerate(self.src)]
         self.notes: list[str] = []
+        zcfg = ck.ds_config.get("zero_optimization") or {}
+        self.round_robin = bool(zcfg.get("round_robin_gradients")) and not self.bf16
+        self.dst = [self._target_layout(lay, g) for g, lay in enumerate(self.src)]
         self._check_source()
+
+    def _target_layout(self, src: FlatGroupLayout, g: int) -> FlatGroupLayout:
+        slots = list(src.slots)
+        if self.round_robin:  # the flat order depends on the world size: undo it for N, redo it for M
+            natural = [None] * len(slots)
+            for pos, i in enumerate(round_robin_order(len(slots), self.ck.partition_count)):
+                natural[i] = slots[pos]
+            slots = [natural[i] for i in round_robin_order(len(slots), self.m)]
+            if any(s.padding_after for s in src.slots):
+                raise UnsupportedCheckpointError(
+                    "round_robin_gradients together with parameter_alignment is not supported yet",
+                    path=self.ck.location.tag_dir)
+        return FlatGroupLayout.build([(s.name, s.shape) for s in slots], self.m,
+                                     paddings_after=[s.padding_after for s in slots], group=g)
+
+    def _reslice(self, g: int, rank: int, padded: bool) -> list:
+        if [s.name for s in self.src[g].slots] == [s.name for s in self.dst[g].slots]:
+            return reslice_flat(self.src[g], self.dst[g], rank, padded)
+        return reslice_by_params(self.src[g], self.dst[g], rank, padded)
 
     def _group_paddings(self, layouts: list[FlatGroupLayout], rank: int, world: int) -> list[int]:
         if self.bf16:  # BF16_Optimizer records all padding on the last rank
@@ -106,7 +134,11 @@ class Zero12Resharder:
 
     def model_states(self, ctx: StreamContext) -> dict[str, Any]:
         model = self.ck.model_states_file().obj
-        return {"mp_rank_00_model_states.pt": _replace(model, dp_world_size=self.m)}
+        repl = dict(dp_world_size=self.m)
+        if self.round_robin:  # param_shapes lists each group in its flat (round-robin) order
+            repl["param_shapes"] = [collections.OrderedDict((s.name, torch.Size(s.shape)) for s in lay.slots)
+                                    for lay in self.dst]
+        return {"mp_rank_00_model_states.pt": _replace(model, **repl)}
 
     def optim_states(self, rank: int, ctx: StreamContext) -> tuple[str, Any]:
         ck, m = self.ck, self.m
@@ -114,7 +146,7 @@ class Zero12Resharder:
         osd0 = top["optimizer_state_dict"]
         fp32 = []
         for g, (src, dst) in enumerate(zip(self.src, self.dst)):
-            pieces = reslice_flat(src, dst, rank, padded=self.bf16)
+            pieces = self._reslice(g, rank, padded=self.bf16)
             rg = ck._rank_tensor(0, g).requires_grad
             fp32.append(streamed(torch.float32, _to_ranges(ck, pieces, None), ctx, requires_grad=rg))
         base = osd0["base_optimizer_state"]
@@ -123,7 +155,7 @@ class Zero12Resharder:
             new = type(st)()
             for key, v in st.items():
                 if isinstance(v, TensorHandle) and v.numel == self.src[g].partition_size and v.numel > 1:
-                    pieces = reslice_flat(self.src[g], self.dst[g], rank, padded=True)
+                    pieces = self._reslice(g, rank, padded=True)
                     new[key] = streamed(v.dtype, _to_ranges(ck, pieces, key), ctx, v.requires_grad)
                 else:
                     new[key] = v  # step and other scalars: the same on every rank
@@ -144,8 +176,8 @@ class Zero12Resharder:
 
     def feeds(self, rank: int) -> list[int]:
         ranks = set()
-        for src, dst in zip(self.src, self.dst):
-            ranks |= {p.rank for p in reslice_flat(src, dst, rank) if isinstance(p, Piece)}
+        for g in range(len(self.src)):
+            ranks |= {p.rank for p in self._reslice(g, rank, True) if isinstance(p, Piece)}
         return sorted(ranks)
 
 
@@ -237,8 +269,8 @@ class Zero3Resharder:
                     if isinstance(v, TensorHandle) and v.numel == self.src.sub_group_sizes[first_src] and v.numel > 1:
                         pieces = reslice_zero3(self.src, self.dst, rank, k)
                         new[key] = streamed(v.dtype, _to_ranges(ck, pieces, key), ctx, v.requires_grad)
-                    else:
-                        new[key] = v
+                    else:  # step and other scalars; each sub-group keeps a tensor of its own, as DeepSpeed saves it
+                        new[key] = copied(v, ctx) if isinstance(v, TensorHandle) else v
                 state[k] = new
             groups.append(_replace(group, params=list(self.dst_group_subs[g])))
         new_inner = _replace(inner, state=state, param_groups=groups)
