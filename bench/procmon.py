@@ -46,22 +46,65 @@ def drop_caches() -> bool:
         return False
 
 
-def run(cmd: list[str], env: dict | None = None, interval: float = 0.005) -> RunStats:
+def _tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants (from /proc/<pid>/task/*/children)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            pass
+    return out
+
+
+def du(path: str) -> int:
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, f)).st_size
+            except FileNotFoundError:
+                pass
+    return total
+
+
+def run(cmd: list[str], env: dict | None = None, interval: float = 0.005, tree: bool = False,
+        watch_dir: str | None = None) -> RunStats:
+    """Run ``cmd``; with ``tree`` memory is the sum over the process and its children at each sample;
+    with ``watch_dir`` the peak size of that folder is recorded (``peak_disk``)."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
     peak = {"RssAnon": 0, "RssFile": 0, "VmRSS": 0}
     io = {"read_bytes": 0, "rchar": 0}
+    ios: dict[int, dict] = {}
+    peak_disk, last_du = 0, 0.0
     while proc.poll() is None:
-        try:
-            st = _status(proc.pid)
-            for k in peak:
-                peak[k] = max(peak[k], st.get(k, 0))
-            cur = _io(proc.pid)
-            io = {k: cur.get(k, 0) for k in io}
-        except (FileNotFoundError, ProcessLookupError, ValueError):
-            pass
+        pids = _tree(proc.pid) if tree else [proc.pid]
+        now = {"RssAnon": 0, "RssFile": 0, "VmRSS": 0}
+        for pid in pids:
+            try:
+                st = _status(pid)
+                for k in now:
+                    now[k] += st.get(k, 0)
+                ios[pid] = _io(pid)
+            except (FileNotFoundError, ProcessLookupError, ValueError):
+                pass
+        for k in peak:
+            peak[k] = max(peak[k], now[k])
+        if watch_dir and time.perf_counter() - last_du > 0.1:
+            peak_disk = max(peak_disk, du(watch_dir))
+            last_du = time.perf_counter()
         time.sleep(interval)
     out, err = proc.communicate()
-    return RunStats(wall=time.perf_counter() - t0, returncode=proc.returncode, peak_anon=peak["RssAnon"],
-                    peak_file=peak["RssFile"], peak_rss=peak["VmRSS"], read_bytes=io["read_bytes"], rchar=io["rchar"],
-                    stdout=out, stderr=err)
+    io = {k: sum(v.get(k, 0) for v in ios.values()) for k in io}
+    stats = RunStats(wall=time.perf_counter() - t0, returncode=proc.returncode, peak_anon=peak["RssAnon"],
+                     peak_file=peak["RssFile"], peak_rss=peak["VmRSS"], read_bytes=io["read_bytes"], rchar=io["rchar"],
+                     stdout=out, stderr=err)
+    if watch_dir:
+        stats.peak_disk = max(peak_disk, du(watch_dir))
+        stats.final_disk = du(watch_dir)
+    return stats

@@ -10,6 +10,7 @@ Public API::
 from .deepspeed import Checkpoint, open_checkpoint
 from .export import ExportPlan, ExportResult, export, plan_export
 from .progress import Cancelled, Observer
+from .reshard import ReshardPlan, ReshardResult, plan_reshard, reshard
 from .errors import (CkptError, IncompleteCheckpointError, NotACheckpointError, OutputError,
                      UnsafeCheckpointError, UnsupportedCheckpointError)
 from .summary import describe
@@ -18,7 +19,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Checkpoint", "open_checkpoint", "describe", "plan_export", "export", "ExportPlan", "ExportResult",
-    "Observer", "Cancelled",
+    "Observer", "Cancelled", "plan_reshard", "reshard", "ReshardPlan", "ReshardResult",
     "CkptError", "IncompleteCheckpointError", "NotACheckpointError", "OutputError", "UnsafeCheckpointError",
     "UnsupportedCheckpointError",
 ]

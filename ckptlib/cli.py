@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -41,9 +42,32 @@ def _cmd_export(args: argparse.Namespace) -> int:
         result = run_export_distributed(plan, observer=None if args.quiet else TqdmObserver("export"))
     else:
         result = run_export(plan, observer=None if args.quiet else TqdmObserver("export"))
-    if result is not None:
+    if result is not None and os.environ.get("RANK", "0") == "0":
         print(f"wrote {len(result.files)} files, {result.bytes_written:,} bytes to {result.out} "
               f"in {result.seconds:.1f} s (read {result.bytes_read:,} bytes)")
+    return 0
+
+
+def _cmd_reshard(args: argparse.Namespace) -> int:
+    from .progress import TqdmObserver
+    from .reshard import plan_reshard, reshard
+
+    if args.universal:
+        from .reshard.universal import plan_universal, write_universal
+
+        plan = plan_universal(args.path, args.out, tag=args.tag, overwrite=args.overwrite)
+        run = write_universal
+    else:
+        if args.world_size is None:
+            raise CkptError("--world-size is required (or --universal for a size-independent checkpoint)")
+        plan = plan_reshard(args.path, args.out, args.world_size, tag=args.tag, overwrite=args.overwrite)
+        run = reshard
+    if args.plan:
+        print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.describe())
+        return 0
+    result = run(plan, observer=None if args.quiet else TqdmObserver("reshard"))
+    print(f"wrote {len(result.files)} files, {result.bytes_written:,} bytes to {result.out} "
+          f"in {result.seconds:.1f} s (read {result.bytes_read:,} bytes)")
     return 0
 
 
@@ -74,6 +98,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="under torchrun: every rank writes its share of the shards (gloo)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_export)
+
+    p = sub.add_parser("reshard", help="rewrite a ZeRO-1/2/3 checkpoint for another data-parallel size")
+    p.add_argument("path", help="the checkpoint (as for inspect)")
+    p.add_argument("out", help="output folder: a DeepSpeed save dir (latest + tag folder) that loads at the new size")
+    p.add_argument("--world-size", type=int, help="the new data-parallel size")
+    p.add_argument("--tag", help="tag to reshard (default: the one 'latest' names)")
+    p.add_argument("--universal", action="store_true",
+                   help="write DeepSpeed's universal checkpoint layout instead (load with load_universal at any size)")
+    p.add_argument("--plan", action="store_true", help="only show which source ranks feed which target rank, "
+                   "bytes and memory; write nothing")
+    p.add_argument("--json", action="store_true", help="with --plan: print the plan as JSON")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_reshard)
     return parser
 
 

@@ -6,12 +6,14 @@ A *range list* describes an output tensor as the concatenation of stored pieces
 them in order, in chunks, casting when the output dtype differs; ranges already in the output dtype go
 file to file inside the kernel when the sink can do that (``copy_from``).
 
-Memory: the two buffers of :class:`ChunkBuffers` (``2 * chunk_bytes``), whatever the tensor sizes.
+Memory: the three buffers of :class:`ChunkBuffers` (``3 * chunk_bytes``), whatever the tensor sizes.
 """
 from __future__ import annotations
 
 import threading
-from typing import Callable, Optional, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -21,25 +23,53 @@ from .progress import check_cancel
 DEFAULT_CHUNK_BYTES = 16 * 2**20
 
 
-class ChunkBuffers:
-    """Two reusable byte buffers of ``chunk_bytes`` each: one to read into, one to cast into.
+@dataclass(frozen=True)
+class SourceRange:
+    """``count`` elements of a stored tensor from element ``start`` (of its flattened value)."""
 
-    Memory: exactly ``2 * chunk_bytes``, whatever the dtypes and tensor sizes.
+    handle: Any  # a ckptlib.torchzip.TensorHandle
+    start: int
+    count: int
+
+
+class ChunkBuffers:
+    """Reusable byte buffers of ``chunk_bytes`` each: two to read into (one is filled in the background
+    while the other is written out) and one to cast into.
+
+    Memory: ``3 * chunk_bytes``, whatever the dtypes and tensor sizes.
     """
 
     def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
         self.chunk_bytes = max(16, chunk_bytes)
-        self._read = torch.empty(self.chunk_bytes, dtype=torch.uint8)
+        self._read = [torch.empty(self.chunk_bytes, dtype=torch.uint8) for _ in range(2)]
         self._cast = torch.empty(self.chunk_bytes, dtype=torch.uint8)
+        self._pool: Optional[ThreadPoolExecutor] = None
+
+    @property
+    def pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptlib-read")
+        return self._pool
 
     def elems(self, *dtypes: torch.dtype) -> int:
         return self.chunk_bytes // max(d.itemsize for d in dtypes)
 
-    def read_view(self, dtype: torch.dtype, n: int) -> torch.Tensor:
-        return self._read[:n * dtype.itemsize].view(dtype)
+    def read_view(self, dtype: torch.dtype, n: int, slot: int = 0) -> torch.Tensor:
+        return self._read[slot][:n * dtype.itemsize].view(dtype)
 
     def cast_view(self, dtype: torch.dtype, n: int) -> torch.Tensor:
         return self._cast[:n * dtype.itemsize].view(dtype)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
 
 
 class WriteSink:
@@ -53,57 +83,74 @@ def _bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy())
 
 
+def _plan_chunks(ranges: Sequence, dtype: torch.dtype, bufs: ChunkBuffers, direct: bool) -> list[tuple]:
+    """The work of :func:`copy_ranges` as a list of ``("zeros", n)``, ``("copy", h, start, n)`` (kernel
+    copy) and ``("read", h, start, n)`` (through the buffers) items, in output order."""
+    items = []
+    for r in ranges:
+        if isinstance(r, Zeros):
+            step = bufs.elems(dtype)
+            items += [("zeros", min(step, r.count - i)) for i in range(0, r.count, step)]
+            continue
+        h = r.handle
+        kind = "copy" if direct and h.dtype == dtype and h.is_contiguous() else "read"
+        step = max(1, bufs.chunk_bytes // h.itemsize) if kind == "copy" else bufs.elems(h.dtype, dtype)
+        items += [(kind, h, r.start + i, min(step, r.count - i)) for i in range(0, r.count, step)]
+    return items
+
+
 def copy_ranges(ranges: Sequence, dtype: torch.dtype, sink, bufs: ChunkBuffers,
                 progress: Callable[[int], None] = lambda n: None, cancel: Optional[threading.Event] = None,
                 drop_cache: bool = True) -> int:
     """Write the concatenation of ``ranges`` as ``dtype`` into ``sink``; returns the bytes written.
 
-    ``sink`` has ``write(memoryview)`` and optionally ``copy_from(fd, offset, nbytes)``. With
-    ``drop_cache`` the page-cache pages of each source range are released once it is copied.
+    ``sink`` has ``write(memoryview)`` and optionally ``copy_from(fd, offset, nbytes)``. Chunks that go
+    through the buffers are read one ahead in a background thread, so reading the source and writing
+    the output overlap. With ``drop_cache`` the page-cache pages of each source range are released
+    once it is copied.
     """
-    direct = hasattr(sink, "copy_from")
+    items = _plan_chunks(ranges, dtype, bufs, hasattr(sink, "copy_from"))
+    reads = [i for i, it in enumerate(items) if it[0] == "read"]
+    ahead: dict[int, Any] = {}
+
+    def submit(k: int) -> None:  # start reading the k-th buffered chunk into slot k % 2
+        if k < len(reads):
+            _, h, start, n = items[reads[k]]
+            ahead[reads[k]] = bufs.pool.submit(h.read_flat, start, n, bufs.read_view(h.dtype, n, k % 2))
+
+    submit(0)
+    k = 0
     total = 0
-    for r in ranges:
-        if isinstance(r, Zeros):
-            step = bufs.elems(dtype)
-            left = r.count
-            while left:
-                n = min(step, left)
-                z = bufs.cast_view(dtype, n)
-                z.zero_()
-                sink.write(_bytes(z))
-                progress(n * dtype.itemsize)
-                left -= n
-            total += r.count * dtype.itemsize
-            continue
-        h = r.handle
-        if direct and h.dtype == dtype and h.is_contiguous():
-            step = max(1, bufs.chunk_bytes // h.itemsize)  # kernel copy: no buffer, same progress granularity
-            pos = 0
-            while pos < r.count:
-                check_cancel(cancel)
-                n = min(step, r.count - pos)
-                sink.copy_from(h.storage.file.fileno(), h.byte_offset(r.start + pos), n * h.itemsize)
-                h.storage.file.count_read(n * h.itemsize)
-                progress(n * h.itemsize)
-                pos += n
+    for i, it in enumerate(items):
+        check_cancel(cancel)
+        if it[0] == "zeros":
+            z = bufs.cast_view(dtype, it[1])
+            z.zero_()
+            sink.write(_bytes(z))
+            nbytes = it[1] * dtype.itemsize
+        elif it[0] == "copy":
+            _, h, start, n = it
+            sink.copy_from(h.storage.file.fileno(), h.byte_offset(start), n * h.itemsize)
+            h.storage.file.count_read(n * h.itemsize)
+            nbytes = n * h.itemsize
         else:
-            step = bufs.elems(h.dtype, dtype)
-            pos = 0
-            while pos < r.count:
-                check_cancel(cancel)
-                n = min(step, r.count - pos)
-                chunk = h.read_flat(r.start + pos, n, out=bufs.read_view(h.dtype, n))
-                if chunk.dtype != dtype:
-                    cast = bufs.cast_view(dtype, n)
-                    cast.copy_(chunk)
-                    chunk = cast
+            _, h, start, n = it
+            chunk = ahead.pop(i).result()
+            if chunk.dtype != dtype:
+                cast = bufs.cast_view(dtype, n)
+                cast.copy_(chunk)
+                chunk = cast
+                submit(k + 1)  # the read slot is free again once cast
                 sink.write(_bytes(chunk))
-                progress(n * dtype.itemsize)
-                pos += n
-        if drop_cache:
-            h.drop_cache(r.start, r.count)
-        total += r.count * dtype.itemsize
+            else:
+                submit(k + 1)  # the other slot; this one is written now
+                sink.write(_bytes(chunk))
+            k += 1
+            nbytes = n * dtype.itemsize
+        if drop_cache and it[0] != "zeros":
+            it[1].drop_cache(it[2], it[3])
+        progress(nbytes)
+        total += nbytes
     return total
 
 

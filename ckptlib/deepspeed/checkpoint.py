@@ -19,6 +19,7 @@ import torch
 from ..errors import (CkptError, IncompleteCheckpointError, NotACheckpointError, UnsafeCheckpointError,
                       UnsupportedCheckpointError)
 from ..layout import FlatGroupLayout, Piece, Zero3Layout, chunk_size
+from ..streaming import SourceRange
 from ..torchzip import ReadStats, TensorHandle, TorchFile, dtype_name
 from . import files as fnames
 from .discovery import Location, locate
@@ -28,15 +29,6 @@ Layout = Union[FlatGroupLayout, Zero3Layout]
 ZERO = "zero"                      # DeepSpeedZeroOptimizer (stage 1/2) or stage 3
 BF16_OPTIMIZER = "bf16_optimizer"  # BF16_Optimizer: padded fp32 partitions, no zero_stage key
 NO_ZERO = "no_zero"                # stage 0: everything in the model-states file
-
-
-@dataclass(frozen=True)
-class SourceRange:
-    """``count`` elements of a stored tensor from element ``start`` (of its flattened value)."""
-
-    handle: TensorHandle
-    start: int
-    count: int
 
 
 @dataclass

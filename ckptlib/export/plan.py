@@ -119,7 +119,7 @@ class ExportPlan:
 
     @property
     def predicted_peak_bytes(self) -> int:
-        return 2 * self.chunk_bytes + FIXED_OVERHEAD_BYTES
+        return 3 * self.chunk_bytes + FIXED_OVERHEAD_BYTES
 
     def to_dict(self) -> dict:
         return {

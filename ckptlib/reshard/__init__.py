@@ -22,7 +22,7 @@ from ..progress import Observer, check_cancel
 from ..streaming import DEFAULT_CHUNK_BYTES, ChunkBuffers
 from ..summary import human_bytes
 from ..torchzip import TensorHandle
-from ..torchzip.writer import COPY_BYTES, NewTensor
+from ..torchzip.writer import NewTensor
 from ..torchzip.writer import save as torch_save
 from .build import StreamContext, Zero3Resharder, Zero12Resharder
 
@@ -66,7 +66,7 @@ class ReshardPlan:
 
     @property
     def predicted_peak_bytes(self) -> int:
-        return 2 * self.chunk_bytes + COPY_BYTES + FIXED_OVERHEAD_BYTES
+        return 3 * self.chunk_bytes + FIXED_OVERHEAD_BYTES
 
     def feeds(self) -> dict:
         """``{target rank: [source ranks whose bytes it reads]}``."""
@@ -214,7 +214,7 @@ def reshard(checkpoint: Union[Checkpoint, str, os.PathLike, ReshardPlan], out: U
                     shutil.copy2(f.source, tmp / f.name)
                     progress(f.write_bytes)
                 else:
-                    torch_save(f.obj, tmp / f.name, progress=progress)
+                    torch_save(f.obj, tmp / f.name, progress=progress, bufs=ctx.bufs)
             (tmp / "latest").write_text(ck.location.tag)
     except OSError as e:
         err = e if isinstance(e, CkptError) else OutputError(

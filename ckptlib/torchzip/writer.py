@@ -8,7 +8,8 @@ only torch's rebuild function, storage classes, ``collections.OrderedDict``, ``t
 dtypes and the original names of the stand-ins, so DeepSpeed loads what ckptlib writes and ckptlib's
 own reader reads it back. Nothing is imported to write a name.
 
-Memory: the pickle plus one copy buffer (``COPY_BYTES``); tensors are never held whole.
+Memory: the pickle plus the streaming buffers (:class:`~ckptlib.streaming.ChunkBuffers`); tensors are
+never held whole.
 """
 from __future__ import annotations
 
@@ -206,7 +207,7 @@ def _walk_tensors(obj: Any, out: list) -> None:
 
 
 def save(obj: Any, path: str | os.PathLike, archive: Optional[str] = None,
-         progress: Callable[[int], None] = lambda n: None) -> int:
+         progress: Callable[[int], None] = lambda n: None, bufs=None) -> int:
     """Write ``obj`` as a torch zip file at ``path``; returns the bytes of tensor data written.
 
     Source storages (of :class:`TensorHandle` s) are copied whole and once each, keeping views and
@@ -249,8 +250,12 @@ def save(obj: Any, path: str | os.PathLike, archive: Optional[str] = None,
             nbytes = src.numel * src.dtype.itemsize
             with record(f"data/{key}", nbytes) as w:
                 if isinstance(src, StorageRef):
-                    _copy_storage(src, w, nbytes)
-                    progress(nbytes)
+                    from ..streaming import ChunkBuffers, SourceRange, WriteSink, copy_ranges
+
+                    if bufs is None:
+                        bufs = ChunkBuffers(COPY_BYTES)
+                    whole = TensorHandle(storage=src, storage_offset=0, shape=(src.numel,), stride=(1,))
+                    copy_ranges([SourceRange(whole, 0, src.numel)], src.dtype, WriteSink(w.write), bufs, progress)
                 else:
                     count = [0]
 
@@ -265,17 +270,3 @@ def save(obj: Any, path: str | os.PathLike, archive: Optional[str] = None,
         small("version", b"3\n")
         small(".data/serialization_id", b"0" * 40)
     return written
-
-
-def _copy_storage(src: StorageRef, w, nbytes: int) -> None:
-    f = src.file
-    fd = f.fileno()
-    done = 0
-    while done < nbytes:
-        n = min(COPY_BYTES, nbytes - done)
-        data = os.pread(fd, n, src.data_offset + done)
-        if not data:
-            raise OSError(f"{f.path}: unexpected end of file copying storage {src.key}")
-        w.write(data)
-        done += len(data)
-    f.count_read(nbytes)

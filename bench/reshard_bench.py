@@ -1,0 +1,86 @@
+"""Benchmark `ckpt reshard` (4 -> 2 and 4 -> 3 ranks) against DeepSpeed's `ds_to_universal`, in one run.
+
+    python bench/reshard_bench.py .bench-work/z2_bf16_w4 .bench-work/z3_bf16_w4 --rounds 2
+
+ds_to_universal is DeepSpeed's way to change the data-parallel size (it writes a size-independent
+checkpoint, then `load_universal`); ckptlib writes the target-size checkpoint directly. Each run is a
+separate process tree (ds_to_universal uses worker processes: memory is summed over the tree), the
+page cache is dropped before each, and the output folder is watched for its peak size: temporary disk
+= peak - final. Printed as a markdown table with ratios to ds_to_universal.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from procmon import drop_caches, run  # noqa: E402
+
+PY = sys.executable
+MIB = 2**20
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("checkpoints", nargs="+", type=Path)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--work", type=Path, default=None)
+    args = ap.parse_args()
+    work = args.work or Path(tempfile.mkdtemp(prefix="ckptlib-rbench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    base = run([PY, "-c", "import ckptlib.cli, ckptlib.reshard, tqdm; import time; time.sleep(0.5)"]).peak_anon
+    base_ds = run([PY, "-c", "import torch, deepspeed, deepspeed.checkpoint.ds_to_universal; import time; "
+                   "time.sleep(0.5)"]).peak_anon
+    print(f"import baselines (RssAnon): ckptlib {base / MIB:.0f} MiB, DeepSpeed {base_ds / MIB:.0f} MiB")
+    rows = []
+    for ckpt in args.checkpoints:
+        tag = (ckpt / "latest").read_text().strip()
+        tools = {"ds_to_universal": None, "ckpt reshard 4->2": 2, "ckpt reshard 4->3": 3}
+        res = {t: [] for t in tools}
+        for r in range(args.rounds):
+            for tool, m in tools.items():
+                out = work / f"{ckpt.name}-{m or 'universal'}"
+                shutil.rmtree(out, ignore_errors=True)
+                out.mkdir()
+                drop_caches()
+                if m is None:
+                    cmd = [PY, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(ckpt / tag),
+                           "--output_folder", str(out / f"{tag}_universal")]
+                else:
+                    cmd = [PY, "-m", "ckptlib", "reshard", str(ckpt), str(out / "resharded"), "--world-size", str(m),
+                           "-q"]
+                st = run(cmd, tree=True, watch_dir=str(out), interval=0.01)
+                if st.returncode != 0:
+                    print(st.stderr[-3000:], file=sys.stderr)
+                    raise SystemExit(f"{tool} failed on {ckpt}")
+                res[tool].append(st)
+                print(f"  {ckpt.name} round {r + 1} {tool}: {st.wall:.1f} s, anon {st.peak_anon / MIB:.0f} MiB, "
+                      f"disk peak {st.peak_disk / MIB:.0f} MiB final {st.final_disk / MIB:.0f} MiB", flush=True)
+        med = {t: {k: statistics.median(getattr(s, k) for s in v)
+                   for k in ("wall", "peak_anon", "peak_disk", "final_disk")} for t, v in res.items()}
+        rows.append((ckpt.name, med))
+    print()
+    print("| checkpoint | tool | wall time (median) | peak RssAnon (process tree) | over import baseline "
+          "| temporary disk | output on disk |")
+    print("|---|---|---|---|---|---|---|")
+    for name, med in rows:
+        ds = med["ds_to_universal"]
+        for tool, m in med.items():
+            b = base_ds if tool == "ds_to_universal" else base
+            tmp = m["peak_disk"] - m["final_disk"]
+
+            def ratio(mine, anchor):
+                return "" if tool == "ds_to_universal" or anchor <= 0 else f" ({mine / anchor:.2f}x)"
+
+            print(f"| {name} | {tool} | {m['wall']:.1f} s{ratio(m['wall'], ds['wall'])} | "
+                  f"{m['peak_anon'] / MIB:.0f} MiB{ratio(m['peak_anon'], ds['peak_anon'])} | "
+                  f"{(m['peak_anon'] - b) / MIB:.0f} MiB | {tmp / MIB:.0f} MiB | {m['final_disk'] / MIB:.0f} MiB |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

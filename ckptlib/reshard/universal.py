@@ -1,0 +1,424 @@
+"""Write DeepSpeed's universal checkpoint directly from a ZeRO-1/2/3 (or BF16_Optimizer) checkpoint.
+
+    plan = plan_universal("ckpt", "ckpt_uc")     # metadata only
+    print(plan.describe())
+    write_universal(plan)
+    # DeepSpeed, at ANY data-parallel size: config "checkpoint": {"load_universal": true}, then
+    # engine.load_checkpoint("ckpt_uc")
+
+DeepSpeed's own ``ds_to_universal`` loads every rank file whole, writes one temporary file per
+(parameter, state, rank) fragment, then loads them again to merge them. Here every output tensor is
+streamed from the stored ranges that make it (:meth:`Checkpoint.sources`) through one pair of chunk
+buffers: no temporary files, memory independent of the model size.
+
+Output folder ``OUT`` (a new folder; it appears atomically, the source is only read)::
+
+    OUT/latest_universal                    "<tag>_universal" (what load_checkpoint reads when
+                                            load_universal is on; no `latest` is written, so a
+                                            non-universal load finds nothing instead of misreading)
+    OUT/<tag>_universal/
+        mp_rank_00_model_states.pt          ZeRO-1/2: the source's model-states file, copied
+        zero_pp_rank_<r>_mp_rank_00_model_states.pt
+                                            ZeRO-3: the N source model-states files, copied
+        zero/optimizer_state.pt             the optimizer's global state (see below)
+        zero/<param>/fp32.pt                {'cat_dim': 0, 'param': fp32 master, full shape}
+        zero/<param>/<key>.pt               the same for every per-element optimizer state
+                                            (exp_avg, exp_avg_sq, or whatever keys the optimizer has)
+        zero/<param>/step.pt                the optimizer step of the parameter's group (raw tensor)
+        zero/<frozen>/fp32.pt               {'param': value as fp32} (as ds_to_universal) for frozen
+                                            parameters whose data was saved
+
+What DeepSpeed 0.19.8 reads when loading it at M ranks (``load_universal: true``), every rank:
+
+* ``latest_universal`` (unless a tag is passed), then the model-states file(s) matching
+  ``<tag>/mp_rank_*_model_states.pt`` (ZeRO-1/2) or ``<tag>/zero_pp_rank_0_mp_rank_*_model_states.pt``
+  (ZeRO-3: rank 0's file whatever M is; DeepSpeed before the fix of #7599 looked for
+  ``zero_pp_rank_<own dp rank>_...`` and failed for M > N). From it: global/skipped steps, LR
+  scheduler, client state. Its ``module`` is NOT loaded: frozen parameters and buffers keep the
+  values the new engine was built with.
+* ``zero/optimizer_state.pt``. ZeRO-1/2: ``loss_scaler``, ``dynamic_loss_scale``, ``overflow``,
+  ``clip_grad``, ``ds_version`` (required) and ``param_groups`` (group i's hyper-parameters to group i).
+  BF16_Optimizer: ``param_groups``. ZeRO-3: ``loss_scaler``, ``dynamic_loss_scale``, ``overflow``,
+  ``optimizer_state_dict.state[0].step`` and ``optimizer_state_dict.param_groups[0]``, whose entries
+  it copies into EVERY parameter group.
+* ``zero/<name>/`` of each trainable parameter (owner names; tied aliases are never looked up).
+  ZeRO-1/2 and BF16_Optimizer: every ``*.pt`` in the folder; ``step.pt`` is the step, each other file
+  ``<key>.pt`` must be a dict with ``'param'`` (and optional ``'cat_dim'``). ZeRO-3: ``fp32.pt``,
+  ``exp_avg.pt``, ``exp_avg_sq.pt`` only (a dict with ``'param'`` or a raw tensor), the step from
+  ``optimizer_state.pt``. Each rank takes its own slice of the full tensor.
+
+Choices, where ``ds_to_universal`` (0.19.8) differs:
+
+* every per-element file has the same form ``{'cat_dim': 0, 'param': tensor of the parameter's shape}``
+  at every stage (ds_to_universal writes raw flat tensors and no ``step.pt`` for ZeRO-3); both
+  ZeRO-3 loaders accept it.
+* ``zero/optimizer_state.pt`` for ZeRO-3 holds no fp32 partitions and no per-element states (only
+  the step tensors remain; ds_to_universal copies rank 0's whole state, a quarter of a rank file).
+  And since the ZeRO-3 loader applies ``param_groups[0]`` of ``optimizer_state_dict`` to every group,
+  hyper-parameters that differ between groups (e.g. lr, weight_decay) are left out of that entry,
+  so each group keeps the value its engine was configured with instead of silently taking group
+  0's; the top-level ``param_groups`` list is complete.
+* round-robin ZeRO-1/2 checkpoints (``round_robin_gradients``) are read by their real flat layout;
+  ds_to_universal trusts ``param_slice_mappings``, which DeepSpeed computes in the wrong order then.
+* buffers and tied aliases get no ``zero/`` folder (the loader never reads them; ds_to_universal writes
+  their 16-bit or integer values as float32 there, which changes integers above 2**24). Frozen
+  parameters get ``fp32.pt`` at every stage whenever their data was saved (never read either; kept so
+  that the folder holds every parameter).
+
+Known DeepSpeed 0.19.8 loader limitations no file content can avoid: the ZeRO-3 loader puts ONE step
+tensor into every sub-group's Adam state, so each training step advances it once per sub-group
+(sub-group 0 steps right, the others with a step count that is too high); frozen parameters and
+buffers are not restored by any universal load; the ZeRO-3 loader only knows ``exp_avg`` and
+``exp_avg_sq``.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+
+from ..deepspeed import Checkpoint, open_checkpoint
+from ..deepspeed import files as fnames
+from ..deepspeed.checkpoint import NO_ZERO
+from ..errors import CkptError, IncompleteCheckpointError, OutputError, UnsupportedCheckpointError
+from ..output import AtomicOutputDir
+from ..progress import Observer, check_cancel
+from ..streaming import DEFAULT_CHUNK_BYTES, ChunkBuffers
+from ..summary import human_bytes
+from ..torchzip import TensorHandle
+from ..torchzip.writer import COPY_BYTES
+from ..torchzip.writer import save as torch_save
+from . import FIXED_OVERHEAD_BYTES, TargetFile, _tree_bytes
+from .build import StreamContext, _replace, copied, streamed
+
+UNIVERSAL_SUFFIX = "_universal"
+LATEST_UNIVERSAL = "latest_universal"
+# what ds_to_universal leaves out of zero/optimizer_state.pt for ZeRO-1/2 (the partitioned entries)
+_ZERO12_PARTITIONED = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
+
+
+@dataclass
+class UniversalPlan:
+    """What :func:`write_universal` will write, computed from metadata. See :func:`plan_universal`."""
+
+    checkpoint: Checkpoint
+    out: Path
+    universal_tag: str
+    files: list
+    chunk_bytes: int
+    overwrite: bool
+    notes: list = field(default_factory=list)
+    _ctx: Any = field(default=None, repr=False)
+
+    @property
+    def read_bytes(self) -> int:
+        return sum(f.read_bytes for f in self.files)
+
+    @property
+    def write_bytes(self) -> int:
+        return sum(f.write_bytes for f in self.files)
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        return 2 * self.chunk_bytes + COPY_BYTES + FIXED_OVERHEAD_BYTES
+
+    def to_dict(self) -> dict:
+        ck = self.checkpoint
+        return {
+            "source": str(ck.location.tag_dir), "out": str(self.out), "tag": ck.location.tag,
+            "universal_tag": self.universal_tag, "zero_stage": ck.zero_stage, "flavor": ck.flavor,
+            "from_world_size": ck.partition_count,
+            "files": [{"name": f.name, "kind": f.kind, "source_ranks": f.source_ranks, "read_bytes": f.read_bytes,
+                       "write_bytes": f.write_bytes} for f in self.files],
+            "read_bytes": self.read_bytes, "write_bytes": self.write_bytes,
+            "predicted_peak_bytes": self.predicted_peak_bytes, "notes": list(self.notes),
+        }
+
+    def describe(self) -> str:
+        ck = self.checkpoint
+        params = sum(1 for f in self.files if f.kind == "param_state" and f.name.endswith("/fp32.pt"))
+        lines = [f"universal checkpoint of {ck.location.tag_dir}",
+                 f"     -> {self.out}/{self.universal_tag}  (+ {LATEST_UNIVERSAL})",
+                 f"ZeRO {ck.zero_stage} ({ck.flavor}), {ck.dtype}, saved by {ck.partition_count} ranks; "
+                 "DeepSpeed loads it at any data-parallel size with \"checkpoint\": {\"load_universal\": true}",
+                 f"reads {human_bytes(self.read_bytes)} of {human_bytes(ck.total_bytes)}; writes "
+                 f"{human_bytes(self.write_bytes)} in {len(self.files) + 1} files ({params} parameters); "
+                 "no temporary files",
+                 f"predicted peak memory: {human_bytes(self.predicted_peak_bytes)} (streaming buffers; "
+                 "independent of the model size)"]
+        for f in self.files:
+            if f.kind != "param_state":
+                lines.append(f"  {f.name:<60} {human_bytes(f.write_bytes):>10}")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def _repr_pretty_(self, p, cycle):
+        p.text(self.describe())
+
+
+@dataclass
+class UniversalResult:
+    out: Path
+    universal_tag: str
+    files: list
+    seconds: float
+    bytes_read: int
+    bytes_written: int
+    plan: Optional[UniversalPlan] = field(default=None, repr=False)
+
+
+# ---------------------------------------------------------------------------------------------- planning
+def _check_name(name: str, ck: Checkpoint) -> None:
+    """A parameter name becomes a folder name: refuse anything that could leave zero/ or clash."""
+    bad = (not name or name in (".", "..", "optimizer_state.pt") or "/" in name or "\\" in name or "\0" in name
+           or name != name.strip())
+    if bad:
+        raise UnsupportedCheckpointError(f"parameter name {name!r} cannot be a folder name of a universal checkpoint",
+                                         path=ck.location.tag_dir)
+
+
+def _shaped(ranges: list, shape: tuple, ctx: StreamContext, requires_grad: bool) -> Any:
+    """A new tensor of ``shape`` made of ``ranges`` (in their dtype), streamed when written."""
+    dtype = ranges[0].handle.dtype if ranges else torch.float32
+    t = streamed(dtype, ranges, ctx, requires_grad=requires_grad)
+    t.shape = tuple(shape)
+    return t
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, TensorHandle) or isinstance(b, TensorHandle):
+        return a is b
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - incomparable values are treated as different
+        return False
+
+
+class _Source:
+    """Stage-specific facts: per-element state keys, steps and the optimizer_state.pt tree."""
+
+    def __init__(self, ck: Checkpoint):
+        self.ck = ck
+        self.osd0 = ck.optim_states_file(0).obj["optimizer_state_dict"]
+        self.notes: list[str] = []
+        if ck.zero_stage == 3:
+            inner = self.osd0["optimizer_state_dict"]
+            self.state = inner["state"]
+            sizes = ck.layouts[0].sub_group_sizes
+            self.group_numel = {k: sizes[k] for k in range(len(sizes))}
+        else:
+            base = self.osd0.get("base_optimizer_state")
+            if not isinstance(base, dict):
+                raise UnsupportedCheckpointError(
+                    "elastic ZeRO-1/2 optimizer state (saved with elastic_checkpoint: true) is not supported yet",
+                    path=ck.location.tag_dir)
+            self.state = base["state"]
+            self.group_numel = {g: lay.partition_size for g, lay in enumerate(ck.layouts)}
+        self.keys: dict[int, list[str]] = {}
+        other = set()
+        for g, numel in self.group_numel.items():
+            st = self.state.get(g) or {}
+            keys = []
+            for key, v in st.items():
+                if key == "step":
+                    continue
+                if isinstance(v, TensorHandle) and len(v.shape) == 1 and v.numel == numel:
+                    keys.append(key)
+                else:
+                    other.add(key)
+            self.keys[g] = keys
+        if other:
+            self.notes.append(f"optimizer state entries that are not per-element ({', '.join(sorted(other))}) "
+                              "have no place in a universal checkpoint and are not carried over")
+        if ck.zero_stage == 3 and any(set(k) - {"exp_avg", "exp_avg_sq"} for k in self.keys.values()):
+            self.notes.append("DeepSpeed's ZeRO-3 universal loader only reads exp_avg and exp_avg_sq; the other "
+                              "state files are written but will not be loaded")
+
+    def step(self, group: int) -> Any:
+        return (self.state.get(group) or {}).get("step")
+
+    def optimizer_state(self, ctx: StreamContext) -> Any:
+        """The tree of zero/optimizer_state.pt."""
+        osd0 = self.osd0
+        if self.ck.zero_stage != 3:
+            out = type(osd0)((k, v) for k, v in osd0.items() if k not in _ZERO12_PARTITIONED)
+            out["param_groups"] = osd0["base_optimizer_state"]["param_groups"]
+            return out
+        inner = osd0["optimizer_state_dict"]
+        state = type(inner["state"])()
+        for k, st in inner["state"].items():
+            keep = type(st)()
+            for key, v in st.items():
+                if key in self.keys.get(k, ()):
+                    continue  # per-element: lives in zero/<param>/<key>.pt
+                keep[key] = copied(v, ctx) if isinstance(v, TensorHandle) else v
+            state[k] = keep
+        groups = list(inner["param_groups"])
+        if len(groups) > 1:
+            g0 = groups[0]
+            differ = [k for k in g0 if k != "params" and not all(k in g and _equal(g[k], g0[k]) for g in groups[1:])]
+            if differ:
+                groups[0] = type(g0)((k, v) for k, v in g0.items() if k not in differ)
+                self.notes.append(
+                    "DeepSpeed's ZeRO-3 universal loader copies the first parameter group's hyper-parameters into "
+                    f"every group; {', '.join(differ)} differ between the groups, so they are left out of that entry "
+                    "and every group keeps the value its engine is configured with")
+        new_inner = _replace(inner, state=state, param_groups=groups)
+        out = type(osd0)((k, v) for k, v in osd0.items() if k != "fp32_flat_groups")
+        out["optimizer_state_dict"] = new_inner
+        out["param_groups"] = inner["param_groups"]
+        return out
+
+
+def plan_universal(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str, os.PathLike], *,
+                   tag: Optional[str] = None, overwrite: bool = False,
+                   chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> UniversalPlan:
+    """Plan writing the universal checkpoint of a ZeRO-1/2/3 (or BF16_Optimizer) checkpoint (metadata only).
+
+    ``out`` is a new folder that DeepSpeed loads with ``engine.load_checkpoint(out)`` and
+    ``"checkpoint": {"load_universal": true}`` at any data-parallel size (see the module docstring for
+    the layout and what the loader reads). Memory: the plan (object trees whose tensors are not read yet).
+    """
+    ck = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, tag=tag)
+    ck._require_readable()
+    if ck.flavor == NO_ZERO:
+        raise UnsupportedCheckpointError(
+            "this checkpoint has no ZeRO partitioning (stage 0): DeepSpeed's universal loader only works with "
+            "ZeRO stages 1-3", path=ck.location.tag_dir, hint="DeepSpeed loads a stage-0 checkpoint at any size as it is")
+    src = _Source(ck)
+    ctx = StreamContext(bufs=None)
+    utag = f"{ck.location.tag}{UNIVERSAL_SUFFIX}"
+    optimizer_state = src.optimizer_state(ctx)
+    notes = list(src.notes)
+    files: list[TargetFile] = []
+
+    def add(name: str, obj: Any, kind: str = "param_state", ranks: Optional[list] = None) -> None:
+        read, written = _tree_bytes(obj)
+        files.append(TargetFile(f"{utag}/zero/{name}", kind, None, ranks or [], read, written, obj))
+
+    skipped_frozen, tied = [], []
+    for p in ck.parameters:
+        if p.tied_to:
+            tied.append(p.name)
+            continue
+        _check_name(p.name, ck)
+        if not p.trainable:
+            try:
+                ranges = ck.sources(p.name)
+            except IncompleteCheckpointError:
+                skipped_frozen.append(p.name)  # saved with exclude_frozen_parameters
+                continue
+            add(f"{p.name}/fp32.pt", {"param": _as_fp32(ranges, p.shape, ctx)})  # as ds_to_universal
+            continue
+        ranks = sorted({pc.rank for pc in ck.pieces(p.name)})
+        fp32 = ck.sources(p.name)
+        rg = fp32[0].handle.requires_grad if fp32 else False
+        add(f"{p.name}/fp32.pt", {"cat_dim": 0, "param": _shaped(fp32, p.shape, ctx, rg)}, ranks=ranks)
+        for key in src.keys.get(p.group, []):
+            ranges = ck.sources(p.name, key)
+            rg = ranges[0].handle.requires_grad if ranges else False
+            add(f"{p.name}/{key}.pt", {"cat_dim": 0, "param": _shaped(ranges, p.shape, ctx, rg)}, ranks=ranks)
+        step = src.step(p.group)
+        if step is not None:
+            add(f"{p.name}/step.pt", copied(step, ctx) if isinstance(step, TensorHandle) else step)
+    add("optimizer_state.pt", optimizer_state, kind="optimizer_state")
+    for f in ck.files:
+        if f.kind == fnames.MODEL_STATES and (f.mp_rank or 0) == 0:
+            files.append(TargetFile(f"{utag}/{f.path.name}", "copy", f.dp_rank, [f.dp_rank] if f.dp_rank is not None
+                                    else [], f.bytes, f.bytes, source=f.path))
+    if tied:
+        notes.append(f"tied aliases ({', '.join(tied)}) get no folder: DeepSpeed loads them through their owners")
+    if skipped_frozen:
+        notes.append(f"frozen parameters without saved data ({', '.join(skipped_frozen)}) are left out")
+    if ck.buffers:
+        notes.append("buffers are only in the copied model-states file(s); DeepSpeed's universal load restores "
+                     "neither buffers nor frozen parameters (they keep the engine's values)")
+    if ck.zero_stage == 3 and len(ck.layouts[0].sub_group_sizes) > 1:
+        notes.append("DeepSpeed 0.19.8's ZeRO-3 universal loader gives all sub-groups ONE step tensor: after "
+                     "loading, each training step advances it once per sub-group (a DeepSpeed bug; the files hold "
+                     "the right step)")
+    skipped = [f.path.name for f in ck.files if f.kind not in (fnames.MODEL_STATES, fnames.OPTIM_STATES)]
+    if skipped:
+        notes.append(f"not carried over (the universal loader does not read them): {', '.join(skipped)}")
+    return UniversalPlan(checkpoint=ck, out=Path(out).expanduser().resolve(), universal_tag=utag, files=files,
+                         chunk_bytes=chunk_bytes, overwrite=overwrite, notes=notes, _ctx=ctx)
+
+
+def _as_fp32(ranges: list, shape: tuple, ctx: StreamContext) -> Any:
+    t = streamed(torch.float32, ranges, ctx)
+    t.shape = tuple(shape)
+    return t
+
+
+# ---------------------------------------------------------------------------------------------- writing
+def write_universal(plan_or_checkpoint: Union[UniversalPlan, Checkpoint, str, os.PathLike],
+                    out: Union[str, os.PathLike, None] = None, observer: Optional[Observer] = None,
+                    cancel: Optional[threading.Event] = None, **options) -> UniversalResult:
+    """Write the universal checkpoint (``latest_universal`` and ``<tag>_universal/``) into ``out``.
+
+    Every tensor is streamed from the source ranges that make it through two buffers of
+    ``chunk_bytes``; nothing is written but the final files. Memory: ``plan.predicted_peak_bytes``
+    (about 48 MiB by default) whatever the model size. The output appears atomically; the source is
+    only read. ``options`` go to :func:`plan_universal` when a checkpoint (or path) is given.
+    """
+    if isinstance(plan_or_checkpoint, UniversalPlan):
+        plan = plan_or_checkpoint
+    else:
+        if out is None:
+            raise CkptError("write_universal needs an output folder")
+        plan = plan_universal(plan_or_checkpoint, out, **options)
+    observer = observer or Observer()
+    ck = plan.checkpoint
+    ctx = plan._ctx
+    ctx.bufs = ChunkBuffers(plan.chunk_bytes)
+    ctx.cancel = cancel
+    done = [0]
+
+    def progress(n):
+        done[0] += n
+        observer.on_bytes(done[0], plan.write_bytes)
+
+    ctx.progress = progress
+    t0 = time.perf_counter()
+    read0 = ck.stats.bytes_read
+    observer.on_start(plan)
+    try:
+        with AtomicOutputDir(plan.out, source=ck.location.save_dir, overwrite=plan.overwrite) as tmp:
+            (tmp / plan.universal_tag / "zero").mkdir(parents=True)
+            for f in plan.files:
+                check_cancel(cancel)
+                observer.on_file(f.name)
+                dst = tmp / f.name
+                dst.parent.mkdir(exist_ok=True)
+                if f.kind == "copy":
+                    shutil.copy2(f.source, dst)
+                    progress(f.write_bytes)
+                else:
+                    torch_save(f.obj, dst, progress=progress)
+            (tmp / LATEST_UNIVERSAL).write_text(plan.universal_tag)
+    except OSError as e:
+        err = e if isinstance(e, CkptError) else OutputError(
+            f"writing the output failed ({e.strerror or e}); nothing was created", path=plan.out,
+            hint="check free space and permissions of the output location")
+        observer.on_error(err)
+        if err is e:
+            raise
+        raise err from e
+    except BaseException as e:
+        observer.on_error(e)
+        raise
+    result = UniversalResult(out=plan.out, universal_tag=plan.universal_tag,
+                             files=[(f.name, f.write_bytes) for f in plan.files] + [(LATEST_UNIVERSAL, 0)],
+                             seconds=time.perf_counter() - t0, bytes_read=ck.stats.bytes_read - read0,
+                             bytes_written=plan.write_bytes, plan=plan)
+    observer.on_finish(result)
+    return result
+
+
+__all__ = ["plan_universal", "write_universal", "UniversalPlan", "UniversalResult", "LATEST_UNIVERSAL"]
