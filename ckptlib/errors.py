@@ -24,10 +24,13 @@ class CkptError(Exception):
         hint: what the user can do about it.
     """
 
+    #: the hint shown when the raiser gives none
+    default_hint = "see `ckpt --help`"
+
     def __init__(self, message: str, path: str | os.PathLike | None = None, hint: str | None = None):
         self.message = message
         self.path = os.fspath(path) if path is not None else None
-        self.hint = hint
+        self.hint = hint or self.default_hint
         super().__init__(self.__str__())
 
     def __str__(self) -> str:  # one readable line (two with a hint)
@@ -40,13 +43,20 @@ class CkptError(Exception):
 class NotACheckpointError(CkptError, FileNotFoundError):
     """The path does not hold a DeepSpeed checkpoint (or the requested tag)."""
 
+    default_hint = ("point at the folder given to engine.save_checkpoint (it holds 'latest'), a tag folder such "
+                    "as global_step100, or an HF Trainer checkpoint-N / output folder")
+
 
 class IncompleteCheckpointError(CkptError, ValueError):
     """A checkpoint whose files are missing, extra, truncated or do not add up."""
 
+    default_hint = "restore the files named from a copy, or use another tag (--tag); `ckpt inspect` lists all problems"
+
 
 class UnsupportedCheckpointError(CkptError, ValueError):
     """A valid checkpoint of a kind (format, version, feature) that ckptlib does not handle."""
+
+    default_hint = "`ckpt inspect` shows what was found; please report this kind of checkpoint"
 
 
 class UnsafeCheckpointError(CkptError, ValueError):
@@ -55,3 +65,5 @@ class UnsafeCheckpointError(CkptError, ValueError):
 
 class OutputError(CkptError, OSError):
     """The output location cannot be used (not empty, inside the source, not writable, disk full)."""
+
+    default_hint = "choose another output folder"

@@ -112,6 +112,7 @@ class Checkpoint:
         self.problems: list[str] = []
         self.notes: list[str] = list(location.notes)
         self._open: dict[str, TorchFile] = {}
+        self._errors: dict[str, CkptError] = {}
         self.files = self._list_files()
         self.zero_stage: Optional[int] = None
         self.flavor = NO_ZERO
@@ -155,6 +156,7 @@ class Checkpoint:
             except CkptError as e:
                 self.problems.append(f"{info.relpath}: {e.message}")
                 self._open[key] = None
+                self._errors[key] = e
         return self._open[key]
 
     def _files_of(self, kind: str, mp_rank: int = 0) -> list[FileInfo]:
@@ -169,16 +171,21 @@ class Checkpoint:
                                       hint="the save is incomplete, or this is not a DeepSpeed tag folder")
         kinds = {f.kind for f in self.files}
         if fnames.LAYER_STATES in kinds:
-            self.notes.append("pipeline-parallel layer files (layer_*-model_states.pt) found: "
-                              "reading them is not supported yet")
+            names = sorted(f.path.name for f in self.files if f.kind == fnames.LAYER_STATES)
+            self.problems.append(f"pipeline-parallel layer files found ({names[0]}, ... {len(names)} files): "
+                                 "pipeline-parallel checkpoints are not supported yet")
         if fnames.EXPERT_STATES in kinds or fnames.EXPERT_OPTIM_STATES in kinds:
-            self.notes.append("MoE expert files found: experts are not supported yet")
+            names = sorted(f.path.name for f in self.files
+                           if f.kind in (fnames.EXPERT_STATES, fnames.EXPERT_OPTIM_STATES))
+            self.problems.append(f"MoE expert files found ({names[0]}, ... {len(names)} files): "
+                                 "mixture-of-experts checkpoints are not supported yet")
 
         first_model = model_files[0]
         mf = self._file(first_model)
         if mf is None:
-            raise IncompleteCheckpointError(f"the model-states file cannot be read: {self.problems[-1]}",
-                                            path=first_model.path)
+            cause = self._errors[str(first_model.path)]
+            raise type(cause)(f"the model-states file cannot be read: {cause.message}", path=first_model.path,
+                              hint=cause.hint or "restore this file from a copy, or use another tag (--tag)")
         model = mf.obj
         if not isinstance(model, dict) or "module" not in model:
             raise NotACheckpointError("this model-states file has no 'module' entry: not a DeepSpeed checkpoint",
@@ -201,6 +208,10 @@ class Checkpoint:
                 else:
                     self.problems.append(f"{f.relpath}: no 'optimizer_state_dict' in the optimizer file")
         config_stage = _as_int(_get(ds_config, "zero_optimization", "stage"))
+        offload = self.location.tag_dir / "offloaded_tensors"
+        if offload.is_dir():
+            self.problems.append("offloaded_tensors/ found: checkpoints of NVMe-offloaded optimizer state keep their "
+                                 "tensors outside the .pt files and are not supported yet")
         if optim_files:
             if first_optim is None:
                 raise IncompleteCheckpointError("none of the optimizer-state files can be read",
@@ -224,7 +235,7 @@ class Checkpoint:
 
         self._find_dtype(model, ds_config)
         if self.mp_world_size > 1:
-            self.notes.append(f"model parallel size {self.mp_world_size}: only mp rank 0 is described; "
+            self.problems.append(f"model parallel size {self.mp_world_size}: only mp rank 0 is described; "
                               "reading tensor/pipeline-parallel checkpoints is not supported yet")
         if self.flavor == NO_ZERO:
             self._build_stage0(model)
@@ -499,12 +510,9 @@ class Checkpoint:
     def _require_readable(self) -> None:
         if self.problems:
             raise IncompleteCheckpointError(
-                "the checkpoint has problems, values cannot be trusted: " + "; ".join(self.problems),
-                path=self.location.tag_dir, hint="run `ckpt inspect` on it for the full list")
-        if self.mp_world_size and self.mp_world_size > 1:
-            raise UnsupportedCheckpointError(
-                f"model-parallel checkpoints (mp size {self.mp_world_size}) are not supported yet",
-                path=self.location.tag_dir)
+                "cannot read values from this checkpoint: " + "; ".join(self.problems),
+                path=self.location.tag_dir,
+                hint="`ckpt inspect` lists the problems; use another tag (--tag) or restore the files named")
 
     def _rank_tensor(self, rank: int, group: int, key: Optional[str] = None) -> TensorHandle:
         osd = self._optim.get(rank)

@@ -27,6 +27,7 @@ import torch
 
 from ..deepspeed import Checkpoint, open_checkpoint
 from ..errors import CkptError, OutputError
+from ..memory import measure_memory
 from ..output import AtomicOutputDir
 from ..progress import Observer, check_cancel
 from ..streaming import ChunkBuffers, WriteSink, copy_ranges
@@ -214,6 +215,7 @@ def _run_workers(plan: ExportPlan, tmp: Path, observer: Observer, cancel) -> int
 
 
 # ---------------------------------------------------------------------------------------------- entry point
+@measure_memory  # the result carries result.memory (ckptlib.memory.MemoryReport)
 def run_export(plan: ExportPlan, observer: Optional[Observer] = None,
                cancel: Optional[threading.Event] = None) -> ExportResult:
     """Execute ``plan``. See :func:`ckptlib.export.export` for the contract."""

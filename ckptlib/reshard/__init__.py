@@ -17,6 +17,7 @@ from typing import Any, Optional, Union
 from ..deepspeed import Checkpoint, open_checkpoint
 from ..deepspeed.checkpoint import NO_ZERO
 from ..errors import CkptError, OutputError, UnsupportedCheckpointError
+from ..memory import measure_memory
 from ..output import AtomicOutputDir
 from ..progress import Observer, check_cancel
 from ..streaming import DEFAULT_CHUNK_BYTES, ChunkBuffers
@@ -178,6 +179,7 @@ class ReshardResult:
     plan: Optional[ReshardPlan] = field(default=None, repr=False)
 
 
+@measure_memory  # the result carries result.memory (ckptlib.memory.MemoryReport)
 def reshard(checkpoint: Union[Checkpoint, str, os.PathLike, ReshardPlan], out: Union[str, os.PathLike, None] = None,
             world_size: Optional[int] = None, *, observer: Optional[Observer] = None,
             cancel: Optional[threading.Event] = None, **options) -> ReshardResult:

@@ -1,0 +1,469 @@
+"""Memory: what this process holds, what the machine has left, and the peak of a run.
+
+- :func:`process_memory` — the process's resident memory split into *anonymous* (heap, buffers: what
+  an out-of-memory kill counts) and *file-backed* (mapped files, page cache: reclaimable), from
+  ``/proc/self/status`` (``RssAnon``, ``RssFile``, ``RssShmem``, ``VmHWM``); psutil where there is no
+  ``/proc``.
+- :func:`system_memory` — the machine's available memory and the cgroup limit, if any
+  (``/sys/fs/cgroup/memory.max``, or cgroup v1's ``memory.limit_in_bytes``).
+- :class:`MemorySampler` — a daemon thread that samples every ``interval`` seconds (0.2 s) into a
+  bounded history (a deque) and keeps the peak.
+- :func:`watch_memory` — a context manager around a piece of work: ``with watch_memory() as w: ...``,
+  then ``w.report`` is a :class:`MemoryReport` (baseline, peak, peak added). ``export`` and
+  ``reshard`` run inside it (:func:`measure_memory`), so every result carries ``result.memory``.
+- :func:`memory_verdict` — before a run: does the plan's predicted peak fit in what is available?
+- :func:`plot_memory` — the history as a PNG (matplotlib's Agg canvas; no pyplot, no GUI, safe from
+  threads). matplotlib is needed only for this.
+
+Nothing here imports matplotlib or psutil at import time.
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import io
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Deque, Optional, Union
+
+from .summary import human_bytes
+
+PROC_STATUS = Path("/proc/self/status")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+#: the default sampling interval of the background sampler (seconds)
+DEFAULT_INTERVAL = 0.2
+
+
+# ============================================================================================ snapshots
+@dataclass(frozen=True)
+class ProcessMemory:
+    """Resident memory of one process, in bytes.
+
+    ``anon`` is what the process allocated (heap, tensors, buffers): the part that can get it killed.
+    ``file`` is mapped file pages (code, mmapped files); the kernel can reclaim them. ``hwm`` is the
+    kernel's high-water mark of ``rss`` over the process's life (0 when unknown).
+    """
+
+    rss: int
+    anon: int
+    file: int
+    shmem: int = 0
+    hwm: int = 0
+
+
+@dataclass(frozen=True)
+class SystemMemory:
+    """The machine's memory as this process sees it, in bytes.
+
+    ``available`` is the kernel's estimate of what can be allocated without swapping
+    (``MemAvailable``). ``cgroup_limit``/``cgroup_usage`` are the container's limit and use (None
+    when there is no limit). :attr:`headroom` is what a run can still use: the smaller of the two.
+    """
+
+    total: int
+    available: int
+    cgroup_limit: Optional[int] = None
+    cgroup_usage: Optional[int] = None
+
+    @property
+    def headroom(self) -> int:
+        if self.cgroup_limit is None:
+            return self.available
+        return max(0, min(self.available, self.cgroup_limit - (self.cgroup_usage or 0)))
+
+
+def _read_status(path: Path = PROC_STATUS) -> Optional[dict]:
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    out = {}
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if len(parts) == 2 and parts[1] == "kB" and parts[0].isdigit():
+            out[key] = int(parts[0]) * 1024
+    return out
+
+
+def process_memory(pid: Optional[int] = None) -> ProcessMemory:
+    """Resident memory of this process (or ``pid``): anonymous, file-backed, shared, total, peak."""
+    st = _read_status(PROC_STATUS if pid is None else Path(f"/proc/{pid}/status"))
+    if st and "RssAnon" in st:
+        return ProcessMemory(rss=st.get("VmRSS", st["RssAnon"] + st.get("RssFile", 0)), anon=st["RssAnon"],
+                             file=st.get("RssFile", 0), shmem=st.get("RssShmem", 0), hwm=st.get("VmHWM", 0))
+    try:  # no /proc (or an old kernel): psutil's rss/shared are the best split there is
+        import psutil
+
+        mi = psutil.Process(pid).memory_info()
+        shared = getattr(mi, "shared", 0)
+        return ProcessMemory(rss=mi.rss, anon=max(0, mi.rss - shared), file=shared)
+    except Exception:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return ProcessMemory(rss=peak, anon=peak, file=0, hwm=peak)
+
+
+def _read_int(path: Path) -> Optional[int]:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    if not text or text == "max":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        return None
+    return None if value >= 2**60 else value  # cgroup v1 writes "no limit" as a huge number
+
+
+def cgroup_memory(root: Path = CGROUP_ROOT) -> tuple[Optional[int], Optional[int]]:
+    """``(limit, usage)`` of this process's memory cgroup in bytes; ``(None, None)`` when unlimited."""
+    v2 = _read_int(root / "memory.max")
+    if v2 is not None:
+        return v2, _read_int(root / "memory.current")
+    v1 = _read_int(root / "memory" / "memory.limit_in_bytes")
+    if v1 is not None:
+        return v1, _read_int(root / "memory" / "memory.usage_in_bytes")
+    return None, None
+
+
+def system_memory() -> SystemMemory:
+    """The machine's total and available memory, and the cgroup limit if there is one."""
+    total = available = None
+    try:
+        import psutil
+
+        vm = psutil.virtual_memory()
+        total, available = vm.total, vm.available
+    except Exception:
+        info = _read_status(Path("/proc/meminfo")) or {}
+        total, available = info.get("MemTotal"), info.get("MemAvailable", info.get("MemFree"))
+    if total is None:
+        total = available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit, usage = cgroup_memory()
+    return SystemMemory(total=int(total), available=int(available), cgroup_limit=limit, cgroup_usage=usage)
+
+
+# ============================================================================================ sampling
+@dataclass(frozen=True)
+class Sample:
+    """One measurement: seconds since the sampler started, and the process's memory."""
+
+    t: float
+    anon: int
+    file: int
+    rss: int
+
+
+class MemorySampler:
+    """Samples the process's memory on a daemon thread into a bounded history, keeping the peak.
+
+    Args:
+        interval: seconds between samples (0.2 by default).
+        maxlen: samples kept (older ones drop out; the peaks are kept regardless).
+        measure: returns a :class:`ProcessMemory` (default :func:`process_memory`); tests pass a fake.
+        clock: returns seconds (default ``time.monotonic``).
+        on_sample: called with each :class:`Sample` on the sampler's thread (e.g. to update a widget;
+            it must only set values, never print). Its exceptions are kept in :attr:`errors`.
+
+    ``sample()`` takes one sample synchronously (tests drive the sampler with it, without a thread).
+    """
+
+    def __init__(self, interval: float = DEFAULT_INTERVAL, maxlen: int = 3000,
+                 measure: Callable[[], ProcessMemory] = process_memory, clock: Callable[[], float] = time.monotonic,
+                 on_sample: Optional[Callable[[Sample], None]] = None):
+        self.interval = interval
+        self.history: Deque[Sample] = collections.deque(maxlen=maxlen)
+        self.measure, self.clock, self.on_sample = measure, clock, on_sample
+        self.peak_anon = 0
+        self.peak_rss = 0
+        self.errors: list[BaseException] = []
+        self._t0 = clock()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
+
+    def sample(self) -> Sample:
+        m = self.measure()
+        s = Sample(t=self.clock() - self._t0, anon=m.anon, file=m.file, rss=m.rss)
+        with self._lock:
+            self.history.append(s)
+            self.peak_anon = max(self.peak_anon, s.anon)
+            self.peak_rss = max(self.peak_rss, s.rss)
+        if self.on_sample is not None:
+            try:
+                self.on_sample(s)
+            except Exception as e:  # never let a display problem kill the sampler
+                if len(self.errors) < 10:
+                    self.errors.append(e)
+        return s
+
+    def snapshot(self) -> list[Sample]:
+        """A copy of the history (safe to use while the thread runs)."""
+        with self._lock:
+            return list(self.history)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> "MemorySampler":
+        if not self.running:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="ckptlib-memory-sampler", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        self._thread = None
+
+    def __enter__(self) -> "MemorySampler":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+# ============================================================================================ a run's peak
+@dataclass
+class MemoryReport:
+    """The memory of one piece of work (bytes, anonymous resident memory unless said otherwise).
+
+    Attributes:
+        baseline: anonymous memory when it started.
+        peak: the highest anonymous memory seen while it ran (samples every ``interval`` plus one at
+            the start and one at the end; a spike shorter than the interval can be missed).
+        peak_added: ``peak - baseline``: what the work added; compare it with
+            ``plan.predicted_peak_bytes``.
+        peak_rss: the highest total resident memory seen (anonymous + file-backed).
+        seconds: how long it ran; samples: how many samples were taken.
+    """
+
+    baseline: int
+    peak: int
+    peak_rss: int
+    seconds: float
+    samples: int
+    history: list = field(default_factory=list, repr=False)
+
+    @property
+    def peak_added(self) -> int:
+        return max(0, self.peak - self.baseline)
+
+    def describe(self) -> str:
+        return (f"peak memory {human_bytes(self.peak)} anonymous (+{human_bytes(self.peak_added)} over the "
+                f"{human_bytes(self.baseline)} at the start), {human_bytes(self.peak_rss)} resident in total; "
+                f"{self.samples} samples in {self.seconds:.2f} s")
+
+    def __str__(self) -> str:
+        return self.describe()
+
+
+class MemoryWatch:
+    """What :func:`watch_memory` yields; :attr:`report` is set when the block ends."""
+
+    def __init__(self, sampler: MemorySampler):
+        self.sampler = sampler
+        self.baseline = 0
+        self.report: Optional[MemoryReport] = None
+        self._t0 = 0.0
+
+    @property
+    def peak_added(self) -> int:
+        """What the work has added so far (also while it runs)."""
+        return max(0, self.sampler.peak_anon - self.baseline)
+
+
+class watch_memory:
+    """Context manager: sample this process's memory while the block runs.
+
+    ::
+
+        with watch_memory() as w:
+            do_work()
+        print(w.report.peak_added)
+
+    Args:
+        interval: seconds between samples (default 0.1: runs are often short).
+        measure: as for :class:`MemorySampler`.
+    """
+
+    def __init__(self, interval: float = 0.1, measure: Callable[[], ProcessMemory] = process_memory):
+        self.interval, self.measure = interval, measure
+        self.watch: Optional[MemoryWatch] = None
+
+    def __enter__(self) -> MemoryWatch:
+        sampler = MemorySampler(interval=self.interval, maxlen=100_000, measure=self.measure)
+        self.watch = MemoryWatch(sampler)
+        first = sampler.sample()
+        self.watch.baseline = first.anon
+        self.watch._t0 = time.perf_counter()
+        sampler.start()
+        return self.watch
+
+    def __exit__(self, *exc) -> None:
+        w = self.watch
+        w.sampler.stop()
+        w.sampler.sample()
+        hist = w.sampler.snapshot()
+        w.report = MemoryReport(baseline=w.baseline, peak=w.sampler.peak_anon, peak_rss=w.sampler.peak_rss,
+                                seconds=time.perf_counter() - w._t0, samples=len(hist), history=hist)
+
+
+def measure_memory(fn: Callable) -> Callable:
+    """Decorator: run ``fn`` inside :func:`watch_memory` and put the :class:`MemoryReport` on its
+    result as ``result.memory`` (used by :func:`ckptlib.export` and :func:`ckptlib.reshard`)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with watch_memory() as w:
+            result = fn(*args, **kwargs)
+        try:
+            result.memory = w.report
+        except AttributeError:  # a result that takes no attributes: nothing to attach to
+            pass
+        return result
+
+    return wrapper
+
+
+# ============================================================================================ before a run
+@dataclass(frozen=True)
+class MemoryVerdict:
+    """Does a run's predicted peak fit? ``level`` is ``"ok"``, ``"tight"`` (over half of the headroom)
+    or ``"no"`` (more than the headroom); ``message`` says it in one sentence."""
+
+    predicted: int
+    available: int
+    limit: Optional[int]
+    fits: bool
+    level: str
+    message: str
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def memory_verdict(predicted: Union[int, Any], system: Optional[SystemMemory] = None) -> MemoryVerdict:
+    """Compare a predicted peak (bytes, or a plan with ``predicted_peak_bytes``) with what is available.
+
+    A cgroup limit counts: the headroom is the smaller of the machine's available memory and what the
+    cgroup still allows.
+    """
+    if not isinstance(predicted, int):
+        predicted = int(getattr(predicted, "predicted_peak_bytes"))
+    system = system or system_memory()
+    room = system.headroom
+    where = "available" if system.cgroup_limit is None else \
+        f"available (cgroup limit {human_bytes(system.cgroup_limit)})"
+    if predicted > room:
+        level, fits = "no", False
+        msg = (f"does NOT fit: the run needs about {human_bytes(predicted)}, only {human_bytes(room)} is {where}; "
+               "free memory, or lower chunk_bytes")
+    elif predicted > room / 2:
+        level, fits = "tight", True
+        msg = (f"fits, but tightly: about {human_bytes(predicted)} of {human_bytes(room)} {where}")
+    else:
+        level, fits = "ok", True
+        msg = f"fits: about {human_bytes(predicted)} needed, {human_bytes(room)} {where}"
+    return MemoryVerdict(predicted=predicted, available=room, limit=system.cgroup_limit, fits=fits, level=level,
+                         message=msg)
+
+
+# ============================================================================================ plotting
+MIB = 2**20
+
+
+def memory_figure(history, predicted: Optional[int] = None, baseline: Optional[int] = None,
+                  available: Optional[int] = None, title: str = "memory of this process",
+                  size: tuple = (6.4, 2.6)):
+    """A matplotlib ``Figure`` (Agg canvas, no pyplot) of a sample history: anonymous and file-backed
+    resident memory over time, with the predicted peak (over ``baseline``) as a dashed line."""
+    fig = new_figure(size)
+    ax = fig.add_subplot(1, 1, 1)
+    hist = list(history)
+    t = [s.t for s in hist]
+    anon = [s.anon / MIB for s in hist]
+    file = [s.file / MIB for s in hist]
+    if hist:
+        ax.stackplot(t, anon, file, labels=["anonymous", "file-backed"], colors=["#4C72B0", "#C7D6EC"],
+                     alpha=0.9)
+        peak = max(hist, key=lambda s: s.anon)
+        ax.plot([peak.t], [peak.anon / MIB], marker="v", color="#C44E52")
+        ax.annotate(f"peak {peak.anon / MIB:.0f} MiB", (peak.t, peak.anon / MIB), textcoords="offset points",
+                    xytext=(4, 4), fontsize=8, color="#C44E52")
+    if predicted is not None:
+        base = baseline if baseline is not None else (hist[0].anon if hist else 0)
+        ax.axhline((base + predicted) / MIB, color="#DD8452", linestyle="--", linewidth=1.2,
+                   label=f"predicted peak (+{predicted / MIB:.0f} MiB)")
+    if available is not None:
+        top = ax.get_ylim()[1]
+        if available / MIB < top * 4:
+            ax.axhline(((hist[-1].rss if hist else 0) + available) / MIB, color="#C44E52", linewidth=1,
+                       label="available")
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("MiB")
+    ax.set_title(title, fontsize=10)
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="upper left", fontsize=7, frameon=False)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+_FIGURE_CLASS = None
+
+
+def new_figure(size: tuple = (6.4, 3.0), dpi: int = 100):
+    """A matplotlib ``Figure`` on an Agg canvas (no pyplot, so safe from threads and leaving the
+    notebook's backend alone) that shows itself as a PNG when it is a notebook cell's result."""
+    global _FIGURE_CLASS
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    if _FIGURE_CLASS is None:
+        class PngFigure(Figure):
+            def _repr_png_(self):
+                return figure_png(self)
+
+        _FIGURE_CLASS = PngFigure
+    fig = _FIGURE_CLASS(figsize=size, dpi=dpi)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def figure_png(fig) -> bytes:
+    """PNG bytes of a matplotlib figure (rendered on an Agg canvas)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    if not isinstance(fig.canvas, FigureCanvasAgg):
+        FigureCanvasAgg(fig)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def plot_memory(history, predicted: Optional[int] = None, baseline: Optional[int] = None,
+                available: Optional[int] = None, title: str = "memory of this process") -> bytes:
+    """:func:`memory_figure` as PNG bytes (for an ``ipywidgets.Image``, a file or a report)."""
+    return figure_png(memory_figure(history, predicted=predicted, baseline=baseline, available=available,
+                                    title=title))
+
+
+__all__ = ["ProcessMemory", "SystemMemory", "Sample", "MemorySampler", "MemoryReport", "MemoryWatch",
+           "MemoryVerdict", "process_memory", "system_memory", "cgroup_memory", "watch_memory",
+           "measure_memory", "memory_verdict", "memory_figure", "plot_memory", "figure_png", "new_figure"]

@@ -1,0 +1,181 @@
+"""Pieces every widget uses: an error area, a callback guard, a progress observer, path resolution.
+
+Rules the widgets follow (see ``docs`` of ipywidgets on threads and on output from callbacks):
+
+- every callback (``on_click``, ``observe``) runs under :func:`guarded`: an exception is shown in the
+  widget's :class:`ErrorArea` (message and traceback), never lost in the kernel log;
+- worker and sampler threads only *set widget values* (``.value``, ``append_stderr``); they never
+  ``print`` and never enter an ``Output`` context.
+"""
+from __future__ import annotations
+
+import functools
+import html
+import os
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Callable, Optional, Union
+
+import ipywidgets as widgets
+
+import ckptlib
+
+
+class ErrorArea(widgets.VBox):
+    """Where a widget shows what went wrong: a red message (HTML) and the traceback (an ``Output``).
+
+    ``show(exc)`` may be called from any thread. ``errors`` keeps the exceptions shown (for tests and
+    for the curious).
+    """
+
+    def __init__(self):
+        self.message = widgets.HTML(value="")
+        self.details = widgets.Output(layout=widgets.Layout(max_height="240px", overflow="auto"))
+        self.errors: list[BaseException] = []
+        super().__init__([self.message, self.details])
+        self.add_class("ckpt-error-area")
+        self.layout.display = "none"
+
+    def show(self, exc: BaseException, context: str = "") -> None:
+        self.errors.append(exc)
+        kind = "error" if isinstance(exc, ckptlib.CkptError) else type(exc).__name__
+        text = str(exc) or type(exc).__name__
+        where = f"{html.escape(context)}: " if context else ""
+        self.message.value = (f"<div style='color:#b71c1c;white-space:pre-wrap'><b>&#9888; {where}{kind}</b><br>"
+                              f"{html.escape(text)}</div>")
+        if not isinstance(exc, ckptlib.CkptError):  # ckptlib's own errors say all there is to say
+            tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+            self.details.outputs = ()
+            self.details.append_stderr(tb)
+        else:
+            self.details.outputs = ()
+        self.layout.display = ""
+
+    def clear(self) -> None:
+        self.message.value = ""
+        self.details.outputs = ()
+        self.layout.display = "none"
+
+    @property
+    def text(self) -> str:
+        """The message shown (HTML stripped of nothing; for tests)."""
+        return self.message.value
+
+
+def guarded(context: str = "") -> Callable:
+    """Decorator for a widget method used as a callback: exceptions go to ``self.errors`` (an
+    :class:`ErrorArea`) instead of vanishing. The error area is cleared when the callback starts."""
+
+    def deco(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def wrapper(self, *args, **kwargs):
+            self.errors.clear()
+            try:
+                return fn(self, *args, **kwargs)
+            except Exception as e:
+                self.errors.show(e, context or fn.__name__.strip("_").replace("_", " "))
+                return None
+
+        return wrapper
+
+    return deco
+
+
+class WidgetObserver(ckptlib.Observer):
+    """A :class:`ckptlib.Observer` that moves a progress bar and a status label (from the worker thread;
+    it only sets values). Updates are throttled to ``hz`` per second."""
+
+    def __init__(self, progress: widgets.FloatProgress, status: widgets.HTML, hz: float = 10.0):
+        self.progress, self.status = progress, status
+        self.min_gap = 1.0 / hz
+        self._last = 0.0
+        self.file = ""
+        self.tensors = 0
+        self.started = threading.Event()
+        self.finished = False
+
+    def on_start(self, plan):
+        self.progress.value = 0.0
+        self.progress.bar_style = "info"
+        self.status.value = "started"
+        self.started.set()
+
+    def on_file(self, name):
+        self.file = name
+        self._status()
+
+    def on_tensor(self, name):
+        self.tensors += 1
+
+    def on_bytes(self, done, total):
+        now = time.monotonic()
+        if now - self._last >= self.min_gap or done >= total:
+            self._last = now
+            self.progress.value = done / total if total else 1.0
+            self._status(done, total)
+
+    def _status(self, done: Optional[int] = None, total: Optional[int] = None):
+        from ckptlib.summary import human_bytes
+
+        text = f"writing <code>{html.escape(self.file)}</code>"
+        if done is not None:
+            text += f" &mdash; {human_bytes(done)} of {human_bytes(total)}"
+        self.status.value = text
+
+    def on_finish(self, result):
+        self.finished = True
+        self.progress.value = 1.0
+        self.progress.bar_style = "success"
+
+    def on_error(self, error):
+        self.progress.bar_style = "warning" if isinstance(error, ckptlib.Cancelled) else "danger"
+
+
+# ============================================================================================ paths
+def repo_root() -> Optional[Path]:
+    """The source tree ckptlib runs from (with ``samples/``), when it runs from one."""
+    root = Path(ckptlib.__file__).resolve().parents[1]
+    return root if (root / "samples").is_dir() else None
+
+
+SAMPLE = "samples/zero2_bf16_w2/ckpt"
+
+
+def find_path(path: Union[str, os.PathLike], must_exist: bool = True) -> Path:
+    """Resolve a path given in a notebook robustly: as given (absolute, or relative to the current
+    folder), else relative to a parent of the current folder (a notebook runs in ``notebooks/``), else
+    relative to ckptlib's source tree (the bundled sample). Returns the first that exists; with
+    ``must_exist=False`` a path that exists nowhere is returned relative to the current folder."""
+    p = Path(path).expanduser()
+    if p.is_absolute() or p.exists():
+        return p.resolve()
+    here = Path.cwd()
+    candidates = [parent / p for parent in list(here.parents)[:3]]
+    root = repo_root()
+    if root is not None:
+        candidates.append(root / p)
+    for c in candidates:
+        if c.exists():
+            return c.resolve()
+    if must_exist:
+        raise FileNotFoundError(f"{path}: not found here ({here}), in its parents, or in {root}")
+    return (here / p).resolve()
+
+
+def sample_checkpoint() -> Path:
+    """The bundled sample checkpoint (ZeRO-2, bf16, 2 ranks)."""
+    return find_path(SAMPLE)
+
+
+def as_checkpoint(checkpoint: Union["ckptlib.Checkpoint", str, os.PathLike]) -> "ckptlib.Checkpoint":
+    if isinstance(checkpoint, ckptlib.Checkpoint):
+        return checkpoint
+    return ckptlib.open_checkpoint(find_path(checkpoint))
+
+
+def png_image(cls: str, width: Optional[str] = None) -> widgets.Image:
+    img = widgets.Image(format="png", layout=widgets.Layout(max_width="100%", width=width or "auto"))
+    img.add_class(cls)
+    return img

@@ -1,0 +1,306 @@
+"""Figures and tables of a checkpoint, from its metadata only (nothing here reads tensor data).
+
+Each ``*_figure`` function returns a matplotlib ``Figure`` drawn on an Agg canvas (no pyplot): as the
+last expression of a notebook cell it shows as a PNG, and :func:`ckptlib.memory.figure_png` turns it
+into bytes for an ``ipywidgets.Image``. The tables are plain lists of dicts, and HTML for widgets.
+"""
+from __future__ import annotations
+
+import html
+import zlib
+from typing import Optional
+
+import ckptlib
+from ckptlib.memory import new_figure
+from ckptlib.summary import human_bytes
+
+PALETTE = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C",
+           "#CCB974", "#64B5CD", "#1F77B4", "#FF7F0E", "#2CA02C", "#D62728", "#9467BD", "#8C564B",
+           "#E377C2", "#7F7F7F", "#BCBD22", "#17BECF"]
+PADDING_COLOR = "#EEEEEE"
+KIND_COLORS = {"model_states": "#4C72B0", "optim_states": "#DD8452"}
+
+
+def param_color(name: str, ckpt: Optional["ckptlib.Checkpoint"] = None) -> str:
+    """A colour per parameter: by its place in the model (neighbours differ) when ``ckpt`` is given,
+    else from its name. The same in every figure of a checkpoint."""
+    if ckpt is not None:
+        names = [p.name for p in ckpt.parameters if not p.tied_to]
+        if name in names:
+            return PALETTE[names.index(name) % len(PALETTE)]
+    return PALETTE[zlib.crc32(name.encode()) % len(PALETTE)]
+
+
+def _message_figure(text: str, size=(6.4, 1.2)):
+    fig = new_figure(size)
+    fig.text(0.5, 0.5, text, ha="center", va="center", fontsize=10, wrap=True)
+    return fig
+
+
+# ============================================================================================ files
+def file_rows(ckpt: "ckptlib.Checkpoint") -> list[dict]:
+    """One row per file of the tag folder: name, kind, dp rank, bytes."""
+    return [{"file": f.path.name, "kind": f.kind, "dp_rank": f.dp_rank, "bytes": f.bytes} for f in ckpt.files]
+
+
+def bytes_per_rank(ckpt: "ckptlib.Checkpoint") -> dict:
+    """``{rank or "shared": {kind: bytes}}``: what each data-parallel rank's files weigh."""
+    out: dict = {}
+    for f in ckpt.files:
+        key = f.dp_rank if f.dp_rank is not None else "shared"
+        out.setdefault(key, {})
+        out[key][f.kind] = out[key].get(f.kind, 0) + f.bytes
+    return out
+
+
+def file_sizes_figure(ckpt: "ckptlib.Checkpoint"):
+    """Bar chart: bytes per data-parallel rank, stacked by file kind (shared files in their own bar)."""
+    per = bytes_per_rank(ckpt)
+    keys = sorted((k for k in per if k != "shared")) + (["shared"] if "shared" in per else [])
+    kinds = sorted({k for v in per.values() for k in v}, key=lambda k: (k not in KIND_COLORS, k))
+    fig = new_figure((max(3.6, 1.0 + 0.7 * len(keys)), 2.8))
+    ax = fig.add_subplot(1, 1, 1)
+    labels = [f"rank {k}" if k != "shared" else "shared" for k in keys]
+    bottom = [0.0] * len(keys)
+    scale, unit = _unit(max((sum(v.values()) for v in per.values()), default=1))
+    for i, kind in enumerate(kinds):
+        vals = [per[k].get(kind, 0) / scale for k in keys]
+        ax.bar(labels, vals, bottom=bottom, label=kind.replace("_", " "),
+               color=KIND_COLORS.get(kind, PALETTE[(i + 4) % len(PALETTE)]))
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    for x, total in enumerate(bottom):
+        ax.annotate(f"{total:.1f}", (x, total), ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel(unit)
+    ax.set_title(f"{ckpt.location.tag}: {len(ckpt.files)} files, {human_bytes(ckpt.total_bytes)}", fontsize=10)
+    ax.legend(fontsize=8, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=len(kinds))
+    ax.margins(y=0.15)
+    fig.tight_layout()
+    return fig
+
+
+def _unit(n: float) -> tuple[float, str]:
+    for scale, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "KB")):
+        if n >= scale:
+            return scale, unit
+    return 1.0, "bytes"
+
+
+def file_table_html(ckpt: "ckptlib.Checkpoint") -> str:
+    """The files as an HTML table (class ``ckpt-file-table``), with a total per rank and overall."""
+    rows = []
+    for f in ckpt.files:
+        rank = "" if f.dp_rank is None else str(f.dp_rank)
+        rows.append(f"<tr><td><code>{html.escape(f.path.name)}</code></td><td>{html.escape(f.kind)}</td>"
+                    f"<td style='text-align:right'>{rank}</td><td style='text-align:right'>{human_bytes(f.bytes)}"
+                    f"</td></tr>")
+    per = bytes_per_rank(ckpt)
+    ranks = ", ".join(f"rank {k}: {human_bytes(sum(v.values()))}" for k, v in sorted(
+        ((k, v) for k, v in per.items() if k != "shared"), key=lambda kv: kv[0]))
+    return ("<table class='ckpt-file-table' style='border-collapse:collapse'>"
+            "<thead><tr><th style='text-align:left'>file</th><th style='text-align:left'>kind</th>"
+            "<th>dp rank</th><th>size</th></tr></thead><tbody>" + "".join(rows) + "</tbody>"
+            f"<tfoot><tr><td colspan='3'><b>{len(ckpt.files)} files</b> ({html.escape(ranks)})</td>"
+            f"<td style='text-align:right'><b>{human_bytes(ckpt.total_bytes)}</b></td></tr></tfoot></table>")
+
+
+def summary_html(ckpt: "ckptlib.Checkpoint") -> str:
+    """Stage, dtype, world size, optimizer, parameter counts and where the checkpoint is."""
+    d = ckptlib.describe(ckpt)
+    loc = ckpt.location
+    flavor = {"zero": "", "bf16_optimizer": " (BF16_Optimizer)", "no_zero": " (no ZeRO partitioning)"}.get(
+        ckpt.flavor, "")
+    opt = ckpt.optimizer
+    items = [
+        ("checkpoint", f"<code>{html.escape(str(loc.save_dir))}</code>"),
+        ("tag", html.escape(loc.tag) + (f" (latest: {html.escape(loc.latest)})" if loc.latest else
+                                        " (no <code>latest</code> file)")),
+        ("ZeRO stage", f"{ckpt.zero_stage}{flavor}"),
+        ("dtype", str(ckpt.dtype)),
+        ("world size", f"dp={ckpt.dp_world_size} mp={ckpt.mp_world_size}"),
+        ("DeepSpeed", html.escape(str(ckpt.deepspeed_version))),
+        ("optimizer", "-" if opt is None else html.escape(
+            f"{opt.wrapper}; state {', '.join(opt.state_keys) or '-'}; step {opt.step}")),
+        ("parameters", f"{len(ckpt.parameters)} tensors, {d['parameter_count']:,} elements "
+                       f"({d['trainable_count']:,} trainable)"),
+        ("buffers", str(len(ckpt.buffers))),
+        ("files", f"{len(ckpt.files)}, {human_bytes(ckpt.total_bytes)} "
+                  f"(read {human_bytes(ckpt.stats.bytes_read)} to learn this)"),
+    ]
+    body = "".join(f"<tr><th style='text-align:left;padding-right:1em'>{k}</th><td>{v}</td></tr>" for k, v in items)
+    notes = "".join(f"<li>{html.escape(n)}</li>" for n in ckpt.notes)
+    return f"<table class='ckpt-summary'>{body}</table>" + (f"<ul>{notes}</ul>" if notes else "")
+
+
+def problems_html(ckpt: "ckptlib.Checkpoint") -> str:
+    if not ckpt.problems:
+        return "<div class='ckpt-problems ckpt-ok' style='color:#2e7d32'>&#10004; no problems found</div>"
+    items = "".join(f"<li>{html.escape(p)}</li>" for p in ckpt.problems)
+    return (f"<div class='ckpt-problems' style='color:#b71c1c'><b>{len(ckpt.problems)} problem(s) found:</b>"
+            f"<ul>{items}</ul>Values read from this checkpoint cannot be trusted until they are fixed.</div>")
+
+
+def parameters_html(ckpt: "ckptlib.Checkpoint", limit: int = 200) -> str:
+    rows = []
+    for p in ckpt.parameters[:limit]:
+        kind = f"tied to {p.tied_to}" if p.tied_to else ("trainable" if p.trainable else "frozen")
+        if p.trainable and p.group is not None and not p.tied_to:
+            kind += f" (group {p.group})"
+        rows.append(f"<tr><td><code>{html.escape(p.name)}</code></td><td>{list(p.shape)}</td>"
+                    f"<td style='text-align:right'>{p.numel:,}</td><td>{html.escape(kind)}</td></tr>")
+    more = f"<p>... and {len(ckpt.parameters) - limit} more</p>" if len(ckpt.parameters) > limit else ""
+    return ("<table class='ckpt-param-table'><thead><tr><th style='text-align:left'>parameter</th><th>shape</th>"
+            "<th>elements</th><th style='text-align:left'>kind</th></tr></thead><tbody>" + "".join(rows)
+            + "</tbody></table>" + more)
+
+
+def table_html(rows: list[dict], cls: str = "ckpt-table") -> str:
+    """A list of dicts as a small HTML table."""
+    if not rows:
+        return "<i>nothing</i>"
+    heads = list(rows[0])
+    head = "".join(f"<th>{html.escape(str(h))}</th>" for h in heads)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(r.get(h, '')))}</td>" for h in heads) + "</tr>"
+                   for r in rows)
+    return f"<table class='{cls}'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+# ============================================================================================ layout
+def layout_panels(ckpt: "ckptlib.Checkpoint") -> list[dict]:
+    """The flat tensors a layout figure can show: one panel per ZeRO-1/2 parameter group, or per
+    ZeRO-3 sub-group. Each: ``{"key", "label", "group", "length", "params"}`` (``length`` = elements
+    per rank)."""
+    panels = []
+    for lay in ckpt.layouts:
+        if hasattr(lay, "sub_group_sizes"):  # ZeRO-3
+            for k, size in enumerate(lay.sub_group_sizes):
+                names = [s.name for s in lay.slots if s.sub_group == k]
+                panels.append({"key": k, "label": f"sub-group {k}", "group": k, "length": size, "params": names,
+                               "layout": lay, "zero3": True})
+        else:
+            panels.append({"key": lay.group, "label": f"group {lay.group}", "group": lay.group,
+                           "length": lay.partition_size, "params": [s.name for s in lay.slots], "layout": lay,
+                           "zero3": False})
+    return panels
+
+
+def panel_segments(panel: dict, rank: int) -> list:
+    lay = panel["layout"]
+    return lay.segments(rank, panel["group"]) if panel["zero3"] else lay.segments(rank)
+
+
+def panel_of(ckpt: "ckptlib.Checkpoint", name: str) -> Optional[int]:
+    """Index (into :func:`layout_panels`) of the panel that holds parameter ``name`` (its owner if tied)."""
+    p = ckpt.param(name)
+    if p.tied_to:
+        p = ckpt.param(p.tied_to)
+    for i, panel in enumerate(layout_panels(ckpt)):
+        if p.name in panel["params"]:
+            return i
+    return None
+
+
+def layout_figure(ckpt: "ckptlib.Checkpoint", panels: Optional[list[int]] = None, highlight: Optional[str] = None,
+                  max_labels: int = 60, width: float = 9.0):
+    """Each rank's flat partition as a horizontal bar: parameters coloured, padding hatched.
+
+    ZeRO-1/2: one panel per parameter group (a parameter can run over two ranks). ZeRO-3: one panel per
+    sub-group; every parameter has a chunk on every rank (padding at its end on the last ranks).
+    ``highlight`` outlines one parameter (a tied alias highlights its owner) and fades the others.
+    """
+    all_panels = layout_panels(ckpt)
+    if not all_panels:
+        return _message_figure(f"ZeRO stage {ckpt.zero_stage}: no partitioned flat tensors to show "
+                               "(every rank holds everything)")
+    chosen = [all_panels[i] for i in (panels if panels is not None else range(len(all_panels)))]
+    target = None
+    if highlight:
+        p = ckpt.param(highlight)
+        target = p.tied_to or p.name
+    n = ckpt.layouts[0].world_size
+    order = {p.name: i for i, p in enumerate(x for x in ckpt.parameters if not x.tied_to)}
+
+    def color(name):
+        return PALETTE[order[name] % len(PALETTE)] if name in order else param_color(name)
+
+    heights = [0.55 + 0.42 * n for _ in chosen]
+    fig = new_figure((width, sum(heights) + 0.9))
+    grid = fig.add_gridspec(len(chosen), 1, height_ratios=heights)
+    zero3 = chosen[0]["zero3"]
+    for row, panel in enumerate(chosen):
+        ax = fig.add_subplot(grid[row, 0])
+        length = max(panel["length"], 1)
+        labels = 0
+        for r in range(n):
+            y = n - 1 - r
+            for seg in panel_segments(panel, r):
+                x0, w = seg.rank_start, seg.count
+                if seg.is_padding:
+                    ax.barh(y, w, left=x0, height=0.7, color=PADDING_COLOR, edgecolor="#888888", hatch="////",
+                            linewidth=0.4)
+                    continue
+                faded = target is not None and seg.name != target
+                ax.barh(y, w, left=x0, height=0.7, color=color(seg.name), alpha=0.3 if faded else 0.95,
+                        edgecolor="black" if seg.name == target else "white",
+                        linewidth=2.0 if seg.name == target else 0.5)
+                if w / length > 0.06 and labels < max_labels:
+                    labels += 1
+                    ax.text(x0 + w / 2, y, _short(seg.name, w / length), ha="center", va="center", fontsize=7,
+                            color="black", clip_on=True)
+        ax.set_yticks(range(n))
+        ax.set_yticklabels([f"rank {n - 1 - i}" for i in range(n)], fontsize=8)
+        ax.set_xlim(0, length)
+        ax.set_ylim(-0.6, n - 0.4)
+        ax.tick_params(axis="x", labelsize=7)
+        what = "sub-group" if zero3 else "group"
+        ax.set_title(f"{what} {panel['group']}: {len(panel['params'])} parameters, {panel['length']:,} elements "
+                     f"per rank", fontsize=9, loc="left")
+        if row == len(chosen) - 1:
+            ax.set_xlabel("element offset in the rank's flat fp32 tensor", fontsize=8)
+    from matplotlib.patches import Patch
+
+    handles = [Patch(facecolor=PADDING_COLOR, edgecolor="#888888", hatch="////", label="padding")]
+    if target:
+        handles.append(Patch(facecolor=color(target), edgecolor="black", linewidth=2, label=target))
+    fig.legend(handles=handles, loc="upper right", fontsize=8, frameon=False)
+    kind = "ZeRO-3: every parameter split into one chunk per rank" if zero3 else \
+        f"ZeRO-{ckpt.zero_stage}: each group is one flat vector cut into {n} equal partitions"
+    fig.suptitle(f"{ckpt.location.tag}: {kind}", fontsize=10, x=0.01, ha="left")
+    fig.tight_layout()
+    return fig
+
+
+def _short(name: str, frac: float) -> str:
+    room = max(4, int(frac * 110))
+    return name if len(name) <= room else "…" + name[-(room - 1):]
+
+
+def where_is(ckpt: "ckptlib.Checkpoint", name: str) -> list[dict]:
+    """Which ranks hold parameter ``name`` and where: one row per piece (rank, file, group, offset in
+    the rank's flat tensor, the parameter's elements there). Frozen parameters and stage 0 say where
+    the value is stored instead."""
+    p = ckpt.param(name)
+    owner = ckpt.param(p.tied_to) if p.tied_to else p
+    files = {f.dp_rank: f.path.name for f in ckpt.files if f.kind == "optim_states"}
+    pieces = ckpt.pieces(owner.name)
+    if not pieces:
+        where = "the model-states file(s)" if not owner.trainable else "the model-states file (stage 0)"
+        return [{"rank": "all", "file": where, "group": "-", "offset": "-", "elements": f"0..{owner.numel}",
+                 "count": owner.numel}]
+    what = "sub-group" if ckpt.zero_stage == 3 else "group"
+    return [{"rank": pc.rank, "file": files.get(pc.rank, "?"), what: pc.group, "offset": pc.rank_start,
+             "elements": f"{pc.param_start}..{pc.param_start + pc.count}", "count": pc.count} for pc in pieces]
+
+
+def where_html(ckpt: "ckptlib.Checkpoint", name: str) -> str:
+    p = ckpt.param(name)
+    head = f"<b><code>{html.escape(name)}</code></b> {list(p.shape)}, {p.numel:,} elements"
+    if p.tied_to:
+        head += f" — tied to <code>{html.escape(p.tied_to)}</code> (stored once, there)"
+    elif not p.trainable:
+        head += " — frozen"
+    return head + table_html(where_is(ckpt, name), cls="ckpt-where-table")
+
+
+__all__ = ["file_rows", "bytes_per_rank", "file_sizes_figure", "file_table_html", "summary_html", "problems_html",
+           "parameters_html", "table_html", "layout_panels", "panel_of", "layout_figure", "where_is", "where_html",
+           "param_color"]

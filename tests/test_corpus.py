@@ -1,0 +1,234 @@
+"""A corpus of broken and hostile inputs, each run through `ckpt inspect`, `ckpt export` and `ckpt reshard`.
+
+For every case: a non-zero exit (for inspect: exit 1 with the problem listed, or exit 2), one message
+that names the file (or folder) and says what to do, no traceback, the source's bytes unchanged, and
+nothing finished-looking left behind.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptlib.cli import main
+from ckptlib.torchzip import open_torch_file
+from ckptlib.torchzip.writer import NewTensor, save
+from tests.hostile import marker_payload, write_torch_zip
+
+
+def run_cli(*args) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in args])
+    return code, out.getvalue(), err.getvalue()
+
+
+def tree_hash(root: Path) -> dict:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def copy_fixture(fx, dst: Path) -> Path:
+    shutil.copytree(fx["checkpoint_path"], dst)
+    return dst
+
+
+def optim(tag_dir: Path, rank: int) -> Path:
+    return next(tag_dir.glob(f"*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))
+
+
+# ------------------------------------------------------------------------------------------- the cases
+def case_truncated_zip(fx, d):
+    f = optim(d / "global_step2", 1)
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    return d, [f.name, "truncated"]
+
+
+def case_zero_byte_file(fx, d):
+    f = optim(d / "global_step2", 1)
+    f.write_bytes(b"")
+    return d, [f.name, "empty"]
+
+
+def case_random_bytes(fx, d):
+    f = d / "global_step2" / "mp_rank_00_model_states.pt"
+    f.write_bytes(os.urandom(5000))
+    return d, [f.name, "not a torch checkpoint"]
+
+
+def case_missing_rank_file(fx, d):
+    optim(d / "global_step2", 2).unlink()
+    return d, ["missing optimizer-state files for dp rank(s) 2"]
+
+
+def case_extra_rank_file_from_another_run(fx, d, other=None):
+    src = other["checkpoint_path"] / "global_step2"
+    shutil.copy(optim(src, 3), d / "global_step2")
+    return d, ["extra optimizer-state files for dp rank(s) 3"]
+
+
+def case_latest_names_a_missing_tag(fx, d):
+    (d / "latest").write_text("global_step9")
+    return d, ["global_step9", "--tag"]
+
+
+def case_legacy_torch_file(fx, d):
+    f = optim(d / "global_step2", 0)
+    torch.save({"optimizer_state_dict": {}}, f, _use_new_zipfile_serialization=False)
+    return d, [f.name, "legacy"]
+
+
+def case_folder_without_checkpoint(fx, d):
+    d.mkdir()
+    (d / "notes.txt").write_text("hello")
+    (d / "sub").mkdir()
+    return d, ["no DeepSpeed checkpoint here"]
+
+
+def case_empty_folder(fx, d):
+    d.mkdir()
+    return d, ["no DeepSpeed checkpoint here"]
+
+
+def _hostile(kind):
+    def case(fx, d):
+        f = optim(d / "global_step2", 0)
+        write_torch_zip(f, marker_payload(d.parent / "marker")[kind])
+        return d, [f.name, "does not load"]
+    case.__name__ = f"case_hostile_{kind}"
+    return case
+
+
+def case_hostile_build_on_allowed_class(fx, d):
+    # OrderedDict() then BUILD with a state naming dunder methods: applied to the instance, never called
+    def u(text):
+        return b"X" + len(text).to_bytes(4, "little") + text.encode()
+    pkl = b"\x80\x02ccollections\nOrderedDict\n)R}" + u("__reduce__") + u("evil") + b"sb."
+    f = d / "global_step2" / "mp_rank_00_model_states.pt"
+    write_torch_zip(f, pkl)
+    return d, [f.name, "'module'"]
+
+
+def case_nvme_offload(fx, d):
+    for r in range(fx["world_size"]):
+        f = optim(d / "global_step2", r)
+        obj = open_torch_file(f).obj
+        flats = obj["optimizer_state_dict"]["fp32_flat_groups"]
+        obj["optimizer_state_dict"]["fp32_flat_groups"] = [NewTensor.from_tensor(torch.empty(0)) for _ in flats]
+        save(obj, f.with_suffix(".tmp"))
+        f.with_suffix(".tmp").replace(f)
+    (d / "global_step2" / "offloaded_tensors" / "rank00").mkdir(parents=True)
+    return d, ["offloaded", "not supported yet"]
+
+
+def case_moe_expert_files(fx, d):
+    tag = d / "global_step2"
+    shutil.copy(tag / "mp_rank_00_model_states.pt", tag / "layer_0_expert_0_mp_rank_00_model_states.pt")
+    return d, ["layer_0_expert_0_mp_rank_00_model_states.pt", "mixture-of-experts", "not supported yet"]
+
+
+def case_pipeline_layer_files(fx, d):
+    tag = d / "global_step2"
+    shutil.copy(tag / "mp_rank_00_model_states.pt", tag / "layer_01-model_states.pt")
+    return d, ["layer_01-model_states.pt", "pipeline-parallel", "not supported yet"]
+
+
+CASES = [case_truncated_zip, case_zero_byte_file, case_random_bytes, case_missing_rank_file,
+         case_extra_rank_file_from_another_run, case_latest_names_a_missing_tag, case_legacy_torch_file,
+         case_folder_without_checkpoint, case_empty_folder,
+         *[_hostile(k) for k in ("os_system_reduce", "builtins_eval", "stack_global", "nested_in_dict",
+                                 "newobj_popen")],
+         case_hostile_build_on_allowed_class, case_nvme_offload, case_moe_expert_files, case_pipeline_layer_files]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.__name__[5:] for c in CASES])
+def test_broken_input(case, fixture_by_name, tmp_path):
+    fx = fixture_by_name("z3_bf16_w2" if case is case_nvme_offload else "z2_bf16_w3")
+    d = tmp_path / "ckpt"
+    if case in (case_folder_without_checkpoint, case_empty_folder):
+        path, words = case(fx, d)
+    else:
+        copy_fixture(fx, d)
+        extra = {"other": fixture_by_name("z2_bf16_w4")} if case is case_extra_rank_file_from_another_run else {}
+        path, words = case(fx, d, **extra)
+    before = tree_hash(path)
+    messages = {}
+    for cmd in (["inspect", path], ["export", path, tmp_path / "out"],
+                ["reshard", path, tmp_path / "out", "--world-size", "2"]):
+        code, out, err = run_cli(*cmd)
+        text = err if code == 2 else out
+        if cmd[0] == "inspect" and code == 1:  # the problem is listed
+            problems = json.loads(run_cli("inspect", path, "--json")[1])["problems"]
+            text = "\n".join(problems)
+            assert problems
+        else:
+            assert code == 2, (cmd[0], code, out, err)
+            assert err.count("error:") == 1 and "hint:" in err, err
+        assert "Traceback" not in out + err
+        for w in words:
+            assert w in text, (cmd[0], w, text)
+        messages[cmd[0]] = text.strip().splitlines()[0]
+        assert not (tmp_path / "out").exists() and not any(p.name.startswith(".out.") for p in tmp_path.iterdir())
+    assert tree_hash(path) == before, "the source was modified"
+    assert not (tmp_path / "marker").exists()
+
+
+def test_output_inside_the_source_is_refused(fixture_by_name, tmp_path):
+    d = copy_fixture(fixture_by_name("z2_bf16_w2"), tmp_path / "ckpt")
+    before = tree_hash(d)
+    for cmd in (["export", d, d / "global_step2" / "out"], ["reshard", d, d / "out", "--world-size", "3"],
+                ["export", d, tmp_path, "--overwrite"]):
+        code, out, err = run_cli(*cmd)
+        assert code == 2 and ("inside the source" in err or "source checkpoint is inside" in err), err
+        assert "hint:" in err
+    assert tree_hash(d) == before
+
+
+def test_tags_of_different_world_sizes_side_by_side(fixture_by_name, tmp_path):
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    shutil.copytree(fixture_by_name("z2_bf16_w2")["checkpoint_path"] / "global_step2", d / "global_step2")
+    shutil.copytree(fixture_by_name("z3_fp32_w3")["checkpoint_path"] / "global_step2", d / "global_step3")
+    (d / "latest").write_text("global_step3")
+    a = json.loads(run_cli("inspect", d, "--json", "--tag", "global_step2")[1])
+    b = json.loads(run_cli("inspect", d, "--json")[1])
+    assert (a["dp_world_size"], a["zero_stage"], b["dp_world_size"], b["zero_stage"]) == (2, 2, 3, 3)
+    assert run_cli("export", d, tmp_path / "e2", "--tag", "global_step2")[0] == 0
+    assert run_cli("export", d, tmp_path / "e3")[0] == 0
+    assert run_cli("reshard", d, tmp_path / "r2", "--tag", "global_step2", "--world-size", "3")[0] == 0
+    assert (tmp_path / "r2" / "latest").read_text() == "global_step2"
+
+
+FULL_DISK = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), int(sys.argv[1])))
+from ckptlib.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("cmd", ["export", "export-torch", "reshard"])
+def test_full_disk(fixture_by_name, tmp_path, cmd):
+    fx = fixture_by_name("large_w2")
+    src = fx["checkpoint_path"]
+    before = tree_hash(src)
+    args = {"export": ["export", src, tmp_path / "out"], "export-torch": ["export", src, tmp_path / "out", "--format",
+                                                                         "torch"],
+            "reshard": ["reshard", src, tmp_path / "out", "--world-size", "3"]}[cmd]
+    r = subprocess.run([sys.executable, "-c", FULL_DISK, str(2_000_000), *map(str, args), "-q"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2, r.stderr
+    assert "File too large" in r.stderr or "No space" in r.stderr, r.stderr
+    assert "nothing was created" in r.stderr and "hint:" in r.stderr and "Traceback" not in r.stderr
+    assert os.listdir(tmp_path) == []
+    assert tree_hash(src) == before

@@ -1,0 +1,480 @@
+"""Universal checkpoints written by ckptlib (plan_universal / write_universal), checked against DeepSpeed.
+
+DeepSpeed 0.19.8 loads every output at 2, 3 and 4 ranks ("load_universal": true; one torchrun launch
+per world size for all jobs) with masters, moments and step equal to the fixture's reference bit for
+bit, and one more training step continues like DeepSpeed resuming the ORIGINAL checkpoint at N
+(metric and tolerances of tests/test_reshard.py). The files equal what DeepSpeed's own ds_to_universal
+writes, tensor for tensor, except where ds_to_universal is wrong (round_robin_gradients) or where
+ckptlib chose otherwise (documented in ckptlib/reshard/universal.py). No temporary files are made.
+
+ZeRO-3: DeepSpeed's universal loader hands ONE step tensor to every sub-group, so in the one training
+step sub-group j uses step t+1+j instead of t+1. Parameters of sub-group 0 are compared with the
+original like ZeRO-1/2; for the others the test shows that the update is exactly AdamW with that
+wrong step (recomputed from the engine's own moments), and that with the right step it would match
+the original: the files hold the right state, the deviation is DeepSpeed's.
+"""
+from __future__ import annotations
+
+import filecmp
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptlib
+from ckptlib.layout import zero3_sub_groups
+from ckptlib.reshard.universal import LATEST_UNIVERSAL, plan_universal, write_universal
+from ckptlib.progress import Observer
+from ckptlib.torchzip import Standin, TensorHandle, open_torch_file
+from tests.fixtures.load_check import LR
+from tests.fixtures.load_runner import _launch_env, job_for_fixture, run_load_checks
+from tests.fixtures.model import build_model, param_group_names, param_groups
+from tests.test_reshard import FP32_ATOL, HALF_RTOL, continuation_error
+
+SOURCES = ["z1_fp32_w4", "z1_bf16_w3", "z2_fp32_w4", "z2_bf16_w2", "z3_fp32_w2", "z3_bf16_w3", "bf16opt_w3",
+           "z2_roundrobin_w3", "z3_subgroup_w3"]
+TARGETS = (2, 3, 4)
+CASES = [(n, m) for n in SOURCES for m in TARGETS]
+# compared file by file with DeepSpeed's ds_to_universal
+DS_CASES = ["z1_bf16_w3", "z1_fp32_w4", "z2_fp32_w4", "z2_bf16_w2", "z3_bf16_w2", "z3_fp32_w4", "bf16opt_w3",
+            "z3_subgroup_w3", "z2_roundrobin_w3"]
+# Universal loads restore neither frozen params nor buffers: start from the generator's values so that
+# the continuation can be compared with the original (which restores them).
+AS_GENERATOR = {"init_seed": 1234, "perturb_buffers": False}
+ZERO3_ONLY_RANK0 = ("z3_fp32_w2", 4)   # output left with zero_pp_rank_0's model states only, loaded at 4
+DS_ZERO3_LOAD = ("z3_bf16_w2", 3)      # DeepSpeed's own ZeRO-3 output, loaded at 3
+TIMINGS: dict = {}
+
+
+def _ref(fx):
+    return torch.load(fx["path"] / "reference.pt", weights_only=True)
+
+
+def _utag(fx) -> str:
+    return f"{fx['tag']}_universal"
+
+
+# ------------------------------------------------------------------------------------------------ fixtures
+@pytest.fixture(scope="module")
+def written(fixture_by_name, tmp_path_factory):
+    """ckptlib's universal output for every source (one per source: it loads at any size)."""
+    root = tmp_path_factory.mktemp("uc")
+    out = {}
+    t0 = time.perf_counter()
+    for name in sorted(set(SOURCES) | set(DS_CASES) | {"exclude_frozen_z3_w3", "hf_trainer_w2"}):
+        fx = fixture_by_name(name)
+        out[name] = root / name
+        write_universal(fx["checkpoint_path"], out[name])
+    TIMINGS["write"] = time.perf_counter() - t0
+    return out
+
+
+DS_CONVERT = """
+import json, sys
+from deepspeed.checkpoint import ds_to_universal as d
+for src, dst in json.loads(sys.argv[1]):
+    sys.argv = ["ds_to_universal", "--input_folder", src, "--output_folder", dst,
+                "--num_extract_workers", "1", "--num_merge_workers", "1"]
+    d.main(d.parse_arguments())
+"""
+
+
+@pytest.fixture(scope="module")
+def ds_written(fixture_by_name, tmp_path_factory):
+    """DeepSpeed's ds_to_universal output (next to a copy of each source), one subprocess."""
+    root = tmp_path_factory.mktemp("ds_uc")
+    plan, out = [], {}
+    for name in DS_CASES:
+        fx = fixture_by_name(name)
+        dst = root / name
+        shutil.copytree(fx["checkpoint_path"], dst)
+        plan.append([str(dst / fx["tag"]), str(dst / _utag(fx))])
+        out[name] = dst
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", DS_CONVERT, json.dumps(plan)], env=_launch_env(),
+                          capture_output=True, text=True, timeout=300)
+    TIMINGS["ds_to_universal"] = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(fixture_by_name, written, ds_written, tmp_path_factory):
+    work = tmp_path_factory.mktemp("uc_load")
+    jobs = defaultdict(list)
+    for name in SOURCES:
+        fx = fixture_by_name(name)
+        jobs[fx["world_size"]].append(job_for_fixture(fx, name=f"{name}@orig"))
+        for m in TARGETS:
+            jobs[m].append(job_for_fixture(fx, checkpoint_dir=written[name], universal=True, name=f"{name}->{m}",
+                                           **AS_GENERATOR))
+    name, m = ZERO3_ONLY_RANK0
+    fx = fixture_by_name(name)
+    only0 = work / "only_rank0"
+    shutil.copytree(written[name], only0)
+    for f in (only0 / _utag(fx)).glob("zero_pp_rank_*_model_states.pt"):
+        if not f.name.startswith("zero_pp_rank_0_"):
+            f.unlink()
+    jobs[m].append(job_for_fixture(fx, checkpoint_dir=only0, universal=True, name="only_rank0", **AS_GENERATOR))
+    name, m = DS_ZERO3_LOAD
+    jobs[m].append(job_for_fixture(fixture_by_name(name), checkpoint_dir=ds_written[name], universal=True,
+                                   name="ds_to_universal", **AS_GENERATOR))
+    results = {}
+    for world, js in sorted(jobs.items()):
+        t0 = time.perf_counter()
+        results.update(run_load_checks(js, world, work / f"w{world}"))
+        TIMINGS[f"launch w{world} ({len(js)} jobs)"] = time.perf_counter() - t0
+    return results
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report_timings():
+    yield
+    if TIMINGS:
+        print("\nuniversal timings: " + ", ".join(f"{k} {v:.1f}s" for k, v in TIMINGS.items()))
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def _ok(res: dict) -> dict:
+    assert "error" not in res, f"{res.get('phase')}: {res.get('error')}"
+    return res
+
+
+def _hyper() -> dict:
+    """{param name: (lr, weight_decay, group index)} of the harness's optimizer (generator's groups)."""
+    model = build_model("small", seed=0)
+    out = {}
+    for g, (names, group) in enumerate(zip(param_group_names(model), param_groups(model))):
+        for n in names:
+            out[n] = (group.get("lr", LR), group["weight_decay"], g)
+    return out
+
+
+def _zero3_sub_group_of(fx, m: int) -> dict:
+    """{param name: index of its ZeRO-3 sub-group in the engine that loads at m ranks}."""
+    model = build_model("small", seed=0)
+    shapes = dict((n, p.numel()) for n, p in model.named_parameters())
+    sgs = (fx.get("extras") or {}).get("sub_group_size") or 1_000_000_000
+    out, k = {}, 0
+    for names in param_group_names(model):
+        for sub in zero3_sub_groups([shapes[n] for n in names], m, int(sgs)):
+            for i in sub:
+                out[names[i]] = k
+            k += 1
+    return out
+
+
+def _adamw(p0, m1, v1, step: int, lr: float, wd: float, betas=(0.9, 0.999), eps=1e-8):
+    """torch AdamW's update of p0, given the moments after the step (what the optimizer used)."""
+    p = p0.clone()
+    if wd:
+        p.mul_(1 - lr * wd)
+    denom = (v1.sqrt() / ((1 - betas[1] ** step) ** 0.5)).add_(eps)
+    return p.addcdiv_(m1, denom, value=-(lr / (1 - betas[0] ** step)))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor, base: torch.Tensor) -> float:
+    return (a - b).double().norm().item() / max((b - base).double().norm().item(), 1e-12)
+
+
+def _tol(fx) -> float:
+    return FP32_ATOL if fx["dtype"] == "fp32" else HALF_RTOL
+
+
+# ------------------------------------------------------------------------------------------------ loading
+@pytest.mark.parametrize("name,m", CASES, ids=[f"{n}->{m}" for n, m in CASES])
+def test_deepspeed_loads_the_universal_output_exactly_and_continues_like_the_original(runs, fixture_by_name,
+                                                                                       name, m):
+    fx = fixture_by_name(name)
+    ref = _ref(fx)
+    got, orig = _ok(runs[f"{name}->{m}"]), _ok(runs[f"{name}@orig"])
+    assert got["world_size"] == m and got["config"]["checkpoint"]["load_universal"] is True
+    assert Path(got["load_path"]).parent.name == _utag(fx)
+    loaded = got["loaded"]
+    for p, want in ref["fp32"].items():
+        assert torch.equal(loaded["fp32"][p], want), f"fp32 master {p}"
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(loaded["optim"][p][key], ref["optim"][p][key]), f"{key} {p}"
+    assert loaded["step"] == ref["step"]
+    # precondition of the comparison with the original (universal loads skip them; AS_GENERATOR)
+    for kind in ("frozen", "buffers"):
+        for p, want in ref[kind].items():
+            assert torch.equal(loaded[kind][p], want), f"{kind} {p}"
+
+    after, oafter = got["after_step"], orig["after_step"]
+    tol = _tol(fx)
+    # the moments after the step do not depend on the step count or the learning rate: all must match
+    for key in ("exp_avg", "exp_avg_sq"):
+        a = {p: v[key] for p, v in after["optim"].items()}
+        b = {p: v[key] for p, v in oafter["optim"].items()}
+        base = {p: v[key] for p, v in orig["loaded"]["optim"].items()}
+        assert continuation_error(a, b, base, fx["dtype"]) <= tol, key
+    if fx["zero_stage"] != 3:
+        assert after["step"] == ref["step"] + 1 and not loaded["step_tensor_shared"]
+        err = continuation_error(after["fp32"], oafter["fp32"], orig["loaded"]["fp32"], fx["dtype"])
+        assert err <= tol, err
+        return
+
+    # ZeRO-3: one shared step tensor, advanced once per sub-group (DeepSpeed 0.19.8)
+    sub = _zero3_sub_group_of(fx, m)
+    n_sub = max(sub.values()) + 1
+    assert loaded["step_tensor_shared"] and after["step"] == ref["step"] + n_sub
+    hyper = _hyper()
+    first = [p for p in ref["fp32"] if sub[p] == 0]
+    assert first
+    err = continuation_error({p: after["fp32"][p] for p in first}, {p: oafter["fp32"][p] for p in first},
+                             orig["loaded"]["fp32"], fx["dtype"])
+    assert err <= tol, err
+    for p in ref["fp32"]:
+        lr, wd, _ = hyper[p]
+        p0, m1, v1 = loaded["fp32"][p], after["optim"][p]["exp_avg"], after["optim"][p]["exp_avg_sq"]
+        used = _adamw(p0, m1, v1, ref["step"] + 1 + sub[p], lr, wd)
+        assert (used - after["fp32"][p]).abs().max().item() <= 1e-6, f"{p}: not AdamW with the shared step"
+        right = _adamw(p0, m1, v1, ref["step"] + 1, lr, wd)
+        if fx["dtype"] == "fp32":
+            assert (right - oafter["fp32"][p]).abs().max().item() <= FP32_ATOL, p
+        else:
+            assert _rel(right, oafter["fp32"][p], orig["loaded"]["fp32"][p]) <= HALF_RTOL, p
+        if sub[p] > 0:  # and the shared step visibly changed the update
+            assert _rel(after["fp32"][p], right, p0) > 0.05, p
+
+
+def test_zero3_universal_load_reads_only_rank0_model_states(runs, fixture_by_name, written):
+    """At any M every rank opens <tag>/zero_pp_rank_0_mp_rank_*_model_states.pt (DeepSpeed 0.19.8 globs
+    with pp rank "0" when load_universal is on), so rank 0's file alone suffices, also for M > N."""
+    name, m = ZERO3_ONLY_RANK0
+    fx = fixture_by_name(name)
+    assert m > fx["world_size"]
+    got = _ok(runs["only_rank0"])["loaded"]
+    ref = _ref(fx)
+    assert all(torch.equal(got["fp32"][p], v) for p, v in ref["fp32"].items())
+    names = sorted(f.name for f in (written[name] / _utag(fx)).glob("*_model_states.pt"))
+    assert names == [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(fx["world_size"])]
+
+
+def test_deepspeed_own_zero3_output_gives_every_group_the_first_groups_hyperparameters(runs, fixture_by_name):
+    """ds_to_universal keeps param_groups[0] whole, and the ZeRO-3 loader copies it into every group: the
+    second group (lr 5e-3, no weight decay) then steps with lr 1e-2 and weight decay 0.01. ckptlib's
+    optimizer_state.pt leaves differing entries out (test above: every group keeps its own)."""
+    name, m = DS_ZERO3_LOAD
+    fx = fixture_by_name(name)
+    res = _ok(runs["ds_to_universal"])
+    loaded, after = res["loaded"], res["after_step"]
+    sub, hyper = _zero3_sub_group_of(fx, m), _hyper()
+    lr0, wd0, _ = next(h for h in hyper.values() if h[2] == 0)
+    second = [p for p, h in hyper.items() if h[2] == 1]
+    assert second
+    for p in second:
+        p0, m1, v1 = loaded["fp32"][p], after["optim"][p]["exp_avg"], after["optim"][p]["exp_avg_sq"]
+        step = _ref(fx)["step"] + 1 + sub[p]
+        assert (_adamw(p0, m1, v1, step, lr0, wd0) - after["fp32"][p]).abs().max().item() <= 1e-6, p
+        lr, wd, _ = hyper[p]
+        assert (_adamw(p0, m1, v1, step, lr, wd) - after["fp32"][p]).abs().max().item() > 1e-4, p
+
+
+# ------------------------------------------------------------------------------------------------ files
+def _obj(path: Path):
+    return open_torch_file(path).obj
+
+
+def _plain(x):
+    """Comparable form of an object tree read by ckptlib (tensors as values, stand-ins as dicts)."""
+    if isinstance(x, TensorHandle):
+        return ("tensor", x.dtype, tuple(x.shape), x.read().reshape(-1).tolist())
+    if isinstance(x, Standin):
+        return (type(x)._qualname, _plain(x.to_dict()))
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x
+
+
+def _tensor(obj):
+    return (obj["param"] if isinstance(obj, dict) else obj).read()
+
+
+@pytest.mark.parametrize("name", DS_CASES)
+def test_files_equal_deepspeeds_ds_to_universal(written, ds_written, fixture_by_name, name):
+    fx = fixture_by_name(name)
+    ck = ckptlib.open_checkpoint(fx["checkpoint_path"])
+    ours, theirs = written[name] / _utag(fx), ds_written[name] / _utag(fx)
+    assert (written[name] / LATEST_UNIVERSAL).read_text() == (ds_written[name] / LATEST_UNIVERSAL).read_text()
+    assert sorted(p.name for p in written[name].iterdir()) == sorted([LATEST_UNIVERSAL, _utag(fx)])  # no `latest`
+    # model-states files: the same copies of the source
+    ms = sorted(p.name for p in theirs.glob("*_model_states.pt"))
+    assert ms == sorted(p.name for p in ours.glob("*_model_states.pt"))
+    assert all(filecmp.cmp(ours / f, theirs / f, shallow=False) for f in ms)
+
+    rel = lambda root: {str(p.relative_to(root / "zero")) for p in (root / "zero").rglob("*.pt")}  # noqa: E731
+    a, b = rel(ours), rel(theirs)
+    trainable = [p.name for p in ck.parameters if p.trainable and not p.tied_to]
+    frozen = [p.name for p in ck.parameters if not p.trainable and not p.tied_to]
+    tied = [p.name for p in ck.parameters if p.tied_to]
+    if ck.zero_stage == 3:  # DeepSpeed: raw flat tensors, no step.pt, no frozen params
+        assert b - a == set()
+        assert a - b == {f"{n}/step.pt" for n in trainable} | {f"{n}/fp32.pt" for n in frozen}
+    else:  # DeepSpeed also writes buffers and tied aliases from the 16-bit module, as float32
+        assert a - b == set()
+        assert b - a == {f"{n}/fp32.pt" for n in [bb.name for bb in ck.buffers] + tied}
+    wrong = []
+    for f in sorted(a & b):
+        if f == "optimizer_state.pt":
+            continue
+        x, y = _obj(ours / "zero" / f), _obj(theirs / "zero" / f)
+        if f.endswith("step.pt"):
+            assert torch.equal(x.read(), y.read()), f
+            continue
+        tx, ty = _tensor(x), _tensor(y)
+        assert tx.dtype == ty.dtype and tx.numel() == ty.numel(), f
+        if isinstance(y, dict):  # ZeRO-1/2: the same dict, full shape
+            assert list(x) == list(y) and x.get("cat_dim") == y.get("cat_dim") and tx.shape == ty.shape, f
+        else:  # ZeRO-3: DeepSpeed's raw flat tensor, ours the parameter's shape in the same dict form
+            assert list(x) == ["cat_dim", "param"] and ty.dim() == 1, f
+        if not torch.equal(tx.reshape(-1), ty.reshape(-1)):
+            wrong.append(f)
+        if f.endswith("/fp32.pt") and f.split("/")[0] in trainable:
+            assert x["param"].requires_grad == (y["param"] if isinstance(y, dict) else y).requires_grad, f
+    if fx["extras"].get("round_robin_gradients"):
+        # DeepSpeed cuts the fragments by param_slice_mappings, which it computes in natural order while
+        # the flat groups are in round-robin order: its values are wrong, ours are the reference's
+        ref = _ref(fx)
+        assert wrong
+        for f in wrong:
+            pname, key = f.rsplit("/", 1)
+            key = key[:-3]
+            want = ref["fp32"][pname] if key == "fp32" else ref["optim"][pname][key]
+            assert torch.equal(_tensor(_obj(ours / "zero" / f)), want), f
+            assert not torch.equal(_tensor(_obj(theirs / "zero" / f)).reshape(want.shape), want), f
+    else:
+        assert wrong == []
+
+    # zero/optimizer_state.pt
+    x, y = _plain(_obj(ours / "zero" / "optimizer_state.pt")), _plain(_obj(theirs / "zero" / "optimizer_state.pt"))
+    if ck.zero_stage != 3:
+        assert x == y
+    else:  # without the fp32 partitions and per-element states; group 0 without entries other groups differ in
+        assert y.pop("fp32_flat_groups") and "fp32_flat_groups" not in x
+        for k, st in y["optimizer_state_dict"]["state"].items():
+            assert st.pop("exp_avg")[2] and st.pop("exp_avg_sq")[2]
+        groups = y["optimizer_state_dict"]["param_groups"]
+        differ = {k for k in groups[0] if k != "params" and any(g[k] != groups[0][k] for g in groups[1:])}
+        assert differ == {"lr", "weight_decay"}
+        groups[0] = {k: v for k, v in groups[0].items() if k not in differ}
+        assert x == y
+        assert x["param_groups"] == _plain(_obj(theirs / "zero" / "optimizer_state.pt"))["param_groups"]
+
+
+@pytest.mark.parametrize("name", sorted(set(SOURCES) | {"exclude_frozen_z3_w3", "hf_trainer_w2"}))
+def test_values_equal_the_reference(written, fixture_by_name, name):
+    """Every file against the live engine's values (no DeepSpeed involved)."""
+    fx = fixture_by_name(name)
+    ref = _ref(fx)
+    zero = written[name] / _utag(fx) / "zero"
+    for p, want in ref["fp32"].items():
+        obj = _obj(zero / p / "fp32.pt")
+        assert list(obj) == ["cat_dim", "param"] and obj["cat_dim"] == 0
+        assert torch.equal(obj["param"].read(), want), p
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(_tensor(_obj(zero / p / f"{key}.pt")), ref["optim"][p][key]), (p, key)
+        step = _obj(zero / p / "step.pt")
+        assert step.dtype == torch.float32 and step.shape == () and step.read().item() == ref["step"]
+        assert sorted(f.name for f in (zero / p).iterdir()) == ["exp_avg.pt", "exp_avg_sq.pt", "fp32.pt", "step.pt"]
+    for p, want in ref["frozen"].items():
+        if fx["exclude_frozen"]:
+            assert not (zero / p).exists()
+        else:
+            assert torch.equal(_tensor(_obj(zero / p / "fp32.pt")), want.float()), p
+    dirs = {d.name for d in zero.iterdir() if d.is_dir()}
+    assert dirs == set(ref["fp32"]) | (set() if fx["exclude_frozen"] else set(ref["frozen"]))
+
+
+# ------------------------------------------------------------------------------------------------ writing
+class _Watch(Observer):
+    """Lists everything in the output's parent whenever a file is started, and at the end."""
+
+    def __init__(self, parent: Path):
+        self.parent, self.snapshots = parent, []
+
+    def _snap(self):
+        self.snapshots.append(sorted(str(p.relative_to(self.parent)) for p in self.parent.rglob("*") if p.is_file()))
+
+    def on_file(self, name):
+        self._snap()
+
+    def on_finish(self, result):
+        self._snap()
+
+
+def test_no_temporary_files_and_bounded_buffers(fixture_by_name, tmp_path):
+    fx = fixture_by_name("z2_bf16_w2")
+    parent = tmp_path / "parent"
+    parent.mkdir()
+    plan = plan_universal(fx["checkpoint_path"], parent / "out", chunk_bytes=64)  # 16 elements per chunk
+    watch = _Watch(parent)
+    result = write_universal(plan, observer=watch)
+    final = sorted(str(p.relative_to(parent)) for p in parent.rglob("*") if p.is_file())
+    planned = sorted(f"out/{f.name}" for f in plan.files) + [f"out/{LATEST_UNIVERSAL}"]
+    assert final == planned and [n for n, _ in result.files] == [f.name for f in plan.files] + [LATEST_UNIVERSAL]
+    assert [p.name for p in parent.iterdir()] == ["out"]  # no lock, no temporary folder left
+    lock = ".out.ckptlib-lock"
+    for i, snap in enumerate(watch.snapshots[:-1]):
+        # while writing: the lock, and the finished files under the hidden folder that becomes `out`
+        tmpdirs = {s.split("/", 1)[0] for s in snap if s != lock}
+        assert len(tmpdirs) <= 1 and all(d.startswith(".out.ckptlib-tmp-") for d in tmpdirs)
+        inside = [s.split("/", 1)[1] for s in snap if s != lock]
+        assert len(inside) == i and set(inside) <= {p[len("out/"):] for p in planned}, snap
+    assert watch.snapshots[-1] == planned
+    # 64-byte chunks give the same bytes as the default 16 MiB
+    again = write_universal(fx["checkpoint_path"], tmp_path / "default")
+    assert again.bytes_written == result.bytes_written
+    for f in planned:
+        assert filecmp.cmp(parent / f, tmp_path / "default" / f[len("out/"):], shallow=False), f
+
+
+def test_plan_is_metadata_only(fixture_by_name, tmp_path):
+    fx = fixture_by_name("z3_bf16_w3")
+    with ckptlib.open_checkpoint(fx["checkpoint_path"]) as ck:
+        before = ck.stats.bytes_read
+        plan = plan_universal(ck, tmp_path / "out")
+        assert ck.stats.bytes_read == before and not (tmp_path / "out").exists()
+        d = plan.to_dict()
+        assert d["universal_tag"] == "global_step2_universal" and d["predicted_peak_bytes"] < 64 * 2**20
+        assert {f["kind"] for f in d["files"]} == {"param_state", "optimizer_state", "copy"}
+        text = plan.describe()
+        assert "no temporary files" in text and "ONE step tensor" in text and "weight_decay, lr" in text
+        write_universal(plan)
+        assert ck.stats.bytes_read - before <= plan.read_bytes
+    ds_total = sum(f.stat().st_size for f in fx["checkpoint_path"].rglob("*_optim_states.pt"))
+    opt = tmp_path / "out" / "global_step2_universal" / "zero" / "optimizer_state.pt"
+    assert opt.stat().st_size < 4096 < ds_total  # no fp32 partitions or moments in it
+
+
+def test_refusals(fixture_by_name, tmp_path):
+    with pytest.raises(ckptlib.UnsupportedCheckpointError, match="stage 0"):
+        plan_universal(fixture_by_name("z0_bf16_w2")["checkpoint_path"], tmp_path / "x")
+    src = fixture_by_name("z2_bf16_w2")["checkpoint_path"]
+    with pytest.raises(ckptlib.OutputError, match="inside the source"):
+        write_universal(src, src / "inner")
+    assert not (src / "inner").exists()
+    write_universal(src, tmp_path / "y")
+    with pytest.raises(ckptlib.OutputError, match="not empty"):
+        write_universal(src, tmp_path / "y")
+    write_universal(src, tmp_path / "y", overwrite=True)
+
+
+def test_a_hostile_parameter_name_cannot_leave_the_output(fixture_by_name, tmp_path):
+    from ckptlib.reshard.universal import _check_name
+
+    ck = ckptlib.open_checkpoint(fixture_by_name("z2_bf16_w2")["checkpoint_path"])
+    for bad in ("../escape", "a/b", "..", "", "optimizer_state.pt"):
+        with pytest.raises(ckptlib.UnsupportedCheckpointError):
+            _check_name(bad, ck)
+    _check_name("model.layers.0.weight", ck)
