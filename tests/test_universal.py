@@ -50,6 +50,13 @@ DS_CASES = ["z1_bf16_w3", "z1_fp32_w4", "z2_fp32_w4", "z2_bf16_w2", "z3_bf16_w2"
 AS_GENERATOR = {"init_seed": 1234, "perturb_buffers": False}
 ZERO3_ONLY_RANK0 = ("z3_fp32_w2", 4)   # output left with zero_pp_rank_0's model states only, loaded at 4
 DS_ZERO3_LOAD = ("z3_bf16_w2", 3)      # DeepSpeed's own ZeRO-3 output, loaded at 3
+# DeepSpeed 0.19.8 engines with round_robin_gradients link each parameter to its fp32 fragment at the
+# NATURAL-order offset although the flat group is in round-robin order (no parameter_alignment), so a
+# universal load into such an engine scatters every fragment. Round-robin sources are loaded by engines
+# with round_robin_gradients off; RR_CONTROLS shows what happens otherwise.
+RR_OFF = {"zero_optimization": {"round_robin_gradients": False}}
+RR_CONTROLS = {"rr_on ours->2": ("ours", 2), "rr_on ds->3": ("ds", 3), "rr_on ds->2": ("ds", 2)}
+RR_SOURCE = "z2_roundrobin_w3"
 TIMINGS: dict = {}
 
 
@@ -112,9 +119,14 @@ def runs(fixture_by_name, written, ds_written, tmp_path_factory):
     for name in SOURCES:
         fx = fixture_by_name(name)
         jobs[fx["world_size"]].append(job_for_fixture(fx, name=f"{name}@orig"))
+        extra = {"ds_config_overrides": RR_OFF} if fx["extras"].get("round_robin_gradients") else {}
         for m in TARGETS:
             jobs[m].append(job_for_fixture(fx, checkpoint_dir=written[name], universal=True, name=f"{name}->{m}",
-                                           **AS_GENERATOR))
+                                           **AS_GENERATOR, **extra))
+    fx = fixture_by_name(RR_SOURCE)
+    for label, (whose, m) in RR_CONTROLS.items():
+        path = written[RR_SOURCE] if whose == "ours" else ds_written[RR_SOURCE]
+        jobs[m].append(job_for_fixture(fx, checkpoint_dir=path, universal=True, name=label, **AS_GENERATOR))
     name, m = ZERO3_ONLY_RANK0
     fx = fixture_by_name(name)
     only0 = work / "only_rank0"
@@ -277,6 +289,23 @@ def test_deepspeed_own_zero3_output_gives_every_group_the_first_groups_hyperpara
         assert (_adamw(p0, m1, v1, step, lr0, wd0) - after["fp32"][p]).abs().max().item() <= 1e-6, p
         lr, wd, _ = hyper[p]
         assert (_adamw(p0, m1, v1, step, lr, wd) - after["fp32"][p]).abs().max().item() > 1e-4, p
+
+
+def test_round_robin_engines_scatter_any_universal_load(runs, fixture_by_name):
+    """DeepSpeed's own bug, not the files': with round_robin_gradients on, the loading engine puts every
+    fragment at its natural-order offset. ckptlib's (right) files then load wrong; ds_to_universal's
+    (wrong, cut the same way at save) files load right only when M == N, where the two errors cancel."""
+    fx = fixture_by_name(RR_SOURCE)
+    ref = _ref(fx)
+
+    def wrong(label):
+        got = _ok(runs[label])["loaded"]
+        return [p for p, v in ref["fp32"].items() if not torch.equal(got["fp32"][p], v)]
+
+    assert wrong("rr_on ds->3") == [] and fx["world_size"] == 3
+    assert len(wrong("rr_on ours->2")) >= 3 and len(wrong("rr_on ds->2")) >= 3
+    for m in TARGETS:  # and with round_robin_gradients off, ckptlib's files load exactly (test above)
+        assert _ok(runs[f"{RR_SOURCE}->{m}"])["config"]["zero_optimization"]["round_robin_gradients"] is False
 
 
 # ------------------------------------------------------------------------------------------------ files

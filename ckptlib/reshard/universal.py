@@ -69,7 +69,10 @@ Known DeepSpeed 0.19.8 loader limitations no file content can avoid: the ZeRO-3 
 tensor into every sub-group's Adam state, so each training step advances it once per sub-group
 (sub-group 0 steps right, the others with a step count that is too high); frozen parameters and
 buffers are not restored by any universal load; the ZeRO-3 loader only knows ``exp_avg`` and
-``exp_avg_sq``.
+``exp_avg_sq``; a ZeRO-1/2 engine with ``round_robin_gradients`` links every parameter to its fp32
+fragment at the natural-order offset although its flat groups are in round-robin order, so ANY
+universal load into it scatters the values (load with ``round_robin_gradients`` off; ds_to_universal's
+files, cut the same wrong way at save, happen to load right at the saving size only).
 """
 from __future__ import annotations
 
@@ -343,6 +346,9 @@ def plan_universal(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[s
         notes.append("DeepSpeed 0.19.8's ZeRO-3 universal loader gives all sub-groups ONE step tensor: after "
                      "loading, each training step advances it once per sub-group (a DeepSpeed bug; the files hold "
                      "the right step)")
+    if (ck.ds_config.get("zero_optimization") or {}).get("round_robin_gradients"):
+        notes.append("saved with round_robin_gradients: load it with round_robin_gradients off, since DeepSpeed "
+                     "0.19.8 engines with it on put every universal fragment at its natural-order offset")
     skipped = [f.path.name for f in ck.files if f.kind not in (fnames.MODEL_STATES, fnames.OPTIM_STATES)]
     if skipped:
         notes.append(f"not carried over (the universal loader does not read them): {', '.join(skipped)}")
