@@ -27,6 +27,7 @@ def describe(ckpt: Checkpoint) -> dict[str, Any]:
         "partition_count": ckpt.partition_count,
         "dtype": ckpt.dtype,
         "deepspeed_version": ckpt.deepspeed_version,
+        "quirks": list(getattr(ckpt, "quirks", [])),
         "optimizer": None if opt is None else {
             "wrapper": opt.wrapper,
             "state_keys": list(opt.state_keys),

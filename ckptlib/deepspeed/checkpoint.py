@@ -97,6 +97,8 @@ class Checkpoint:
         dtype: the training dtype, ``"fp32"``, ``"bf16"`` or ``"fp16"``.
         dp_world_size, mp_world_size: data- and model-parallel sizes.
         deepspeed_version: the ``ds_version`` recorded in the files.
+        quirks: how the format differs from what DeepSpeed 0.19.8 writes (older releases), one short phrase
+            each, from the keys found; also summed up in one of the ``notes``.
         optimizer: :class:`OptimizerInfo` (None when there is no optimizer state).
         parameters: :class:`ParameterInfo` in model order (tied aliases included).
         buffers: persistent buffers.
@@ -125,6 +127,8 @@ class Checkpoint:
         self.buffers: list[BufferInfo] = []
         self.layouts: list[Layout] = []
         self.partition_count: Optional[int] = None
+        self.quirks: list[str] = []  # how this checkpoint's format differs from what DeepSpeed 0.19.8 writes
+        self._ties_from_storage: dict[str, str] = {}
         self._model: dict = {}
         self._optim: dict[int, dict] = {}
         self._frozen_source: dict = {}
@@ -207,6 +211,13 @@ class Checkpoint:
                     first_optim = first_optim or osd
                 else:
                     self.problems.append(f"{f.relpath}: no 'optimizer_state_dict' in the optimizer file")
+        if self.deepspeed_version is None:  # DeepSpeed >= 0.4 also writes it at the optimizer files' top level
+            for f in optim_files:
+                of = self._file(f)
+                if of is not None and isinstance(of.obj, dict) and of.obj.get("ds_version") is not None:
+                    self.deepspeed_version = _as_str(of.obj.get("ds_version"))
+                    break
+        self._refuse_old_layouts(model, optim_files, first_optim)
         config_stage = _as_int(_get(ds_config, "zero_optimization", "stage"))
         offload = self.location.tag_dir / "offloaded_tensors"
         if offload.is_dir():
@@ -245,6 +256,87 @@ class Checkpoint:
             self._build_zero12(model, optim_files)
         self._find_buffers(model)
         self._find_optimizer(model)
+        self._find_quirks(model)
+
+    # ---------------------------------------------------------------- older releases
+    def written_by(self) -> str:
+        """"DeepSpeed 0.10.3", or what is known when the files record no version."""
+        if self.deepspeed_version:
+            return f"DeepSpeed {self.deepspeed_version}"
+        return "a DeepSpeed release that recorded no ds_version (older than 0.4)"
+
+    def _refuse_old_layouts(self, model: dict, optim_files: list[FileInfo], first_optim: Optional[dict]) -> None:
+        """Refuse, naming the version found, the layouts of DeepSpeed before 0.6 that ckptlib cannot read."""
+        if isinstance(first_optim, dict) and "local_sub_partitions_of_fp32_groups" in first_optim:
+            raise UnsupportedCheckpointError(
+                f"written by {self.written_by()}: legacy ZeRO-1 optimizer state ('local_sub_partitions_of_fp32_groups', "
+                "the interleaved sub-partitions of zero_optimization.legacy_stage1, removed in DeepSpeed 0.5.9) "
+                "is not supported",
+                path=optim_files[0].path,
+                hint=f"load it with {self.written_by()} at the same world size and save the fp32 weights from there "
+                     "(legacy ZeRO-1 checkpoints cannot be loaded by later DeepSpeed releases either)")
+        if model.get("param_shapes") is None:
+            for f in optim_files:
+                of = self._file(f)
+                if of is not None and isinstance(of.obj, dict) and "param_shapes" in of.obj:
+                    raise UnsupportedCheckpointError(
+                        f"written by {self.written_by()}: the parameter shapes are in the optimizer-state files "
+                        "('param_shapes' at their top level), the layout of DeepSpeed before 0.6; checkpoints "
+                        "from before 0.6 are not supported",
+                        path=f.path,
+                        hint="use the zero_to_fp32.py saved beside the tag folder, with the DeepSpeed release that "
+                             "wrote it, to get the fp32 weights")
+
+    def _find_quirks(self, model: dict) -> None:
+        """How this checkpoint differs from what DeepSpeed 0.19.8 writes, from the keys found (metadata only)."""
+        q = self.quirks
+        version = _version_tuple(self.deepspeed_version)
+        if version is not None and version < (0, 10):
+            q.append("older than the DeepSpeed releases ckptlib is tested with (0.10.3 to 0.19.8)")
+        if self.flavor != NO_ZERO and self._optim:
+            osd = self._optim[min(self._optim)]
+            if self.flavor == ZERO and self.zero_stage in (1, 2):
+                if "param_alignment_paddings" not in osd:
+                    q.append("no param_alignment_paddings")
+                if "group_paddings" not in osd:
+                    q.append("no group_paddings")
+                if isinstance(osd.get("base_optimizer_state"), (list, tuple)):
+                    q.append("elastic optimizer state (base_optimizer_state is a list of unpadded per-group "
+                             "states, saved with elastic_checkpoint: true): read and export only")
+                    self._check_elastic()
+            step = self.optimizer.step if self.optimizer else None
+            gsteps, skipped = _as_int(model.get("global_steps")), _as_int(model.get("skipped_steps")) or 0
+            if step is not None and gsteps is not None and step == gsteps - skipped + 1:
+                q.append(f"optimizer step {step} = global_steps + 1 (the optimizer's initialising step on zero "
+                         "gradients is counted)")
+        if "sparse_tensor_module_names" in model:
+            q.append("sparse_tensor_module_names present")
+        if "checkpoint_parallel_dimensions" not in model and version is not None and version < (0, 19, 5):
+            q.append("no checkpoint_parallel_dimensions")
+        if self.dtype in ("bf16", "fp16"):
+            half = [b.name for b in self.buffers if b.dtype in ("bfloat16", "float16")]
+            if half:
+                q.append(f"float buffers saved in {self.dtype} ({', '.join(half)}), cast with the module")
+        if self._ties_from_storage:
+            q.append("shared_params not recorded: ties found from the module's shared storage ("
+                     + ", ".join(f"{a} -> {o}" for a, o in self._ties_from_storage.items()) + ")")
+        if q:
+            self.notes.append(f"written by {self.written_by()}: " + "; ".join(q))
+
+    def _check_elastic(self) -> None:
+        """Elastic ZeRO-1/2 state: per rank, one dict per group of tensors as long as the lean fp32 partition."""
+        for r, osd in sorted(self._optim.items()):
+            base = osd.get("base_optimizer_state")
+            if not isinstance(base, (list, tuple)) or len(base) != len(self.layouts):
+                self.problems.append(f"rank {r}: the elastic base_optimizer_state has "
+                                     f"{len(base) if isinstance(base, (list, tuple)) else 'no'} groups, "
+                                     f"param_shapes has {len(self.layouts)}")
+                continue
+            for g, (st, lay) in enumerate(zip(base, self.layouts)):
+                for k, t in (st.items() if isinstance(st, dict) else []):
+                    if k != "step" and isinstance(t, TensorHandle) and t.numel != lay.lean_length(r):
+                        self.problems.append(f"rank {r} group {g}: elastic state '{k}' holds {t.numel} elements, "
+                                             f"{lay.lean_length(r)} are expected")
 
     def _find_dtype(self, model: dict, ds_config: dict) -> None:
         module = model.get("module") or {}
@@ -269,9 +361,10 @@ class Checkpoint:
         param_shapes = _param_shape_groups(model.get("param_shapes"))
         if param_shapes is None:
             raise UnsupportedCheckpointError(
-                "the model-states file has no 'param_shapes' (written by DeepSpeed older than 0.6?)",
+                f"the model-states file has no 'param_shapes' (written by {self.written_by()}; DeepSpeed writes it "
+                "there since 0.6)",
                 path=self._files_of(fnames.MODEL_STATES)[0].path,
-                hint="checkpoints from DeepSpeed before 0.6 are not supported yet")
+                hint="checkpoints from DeepSpeed before 0.6 are not supported")
         first = self._optim[min(self._optim)]
         counts = first.get("partition_count")
         counts = list(counts) if isinstance(counts, (list, tuple)) else [counts] * len(param_shapes)
@@ -303,14 +396,24 @@ class Checkpoint:
         frozen_shapes = model.get("frozen_param_shapes") or {}
         frozen_frag = model.get("frozen_param_fragments") or {}
         self._frozen_source = {n: [t] for n, t in frozen_frag.items() if isinstance(t, TensorHandle)}
+        if not model.get("shared_params"):
+            # DeepSpeed < 0.9 (and 0.9.x's ZeRO-1/2) record no ties; the 16-bit module weights are views of the
+            # flat groups, so an alias is a module tensor on the same storage, offset, shape and stride as a
+            # trainable parameter that is itself neither trainable nor frozen
+            ties = {a: o for a, o in _aliases_by_storage(model.get("module") or {},
+                                                         set(model.get("buffer_names") or [])).items()
+                    if o in trainable and a not in trainable and a not in frozen_shapes}
+            if ties:
+                self._ties_from_storage = ties
+                model = dict(model, shared_params=ties)
         self._collect_parameters(model, trainable, {n: tuple(s) for n, s in frozen_shapes.items()})
 
     # ---------------------------------------------------------------- ZeRO-3
     def _build_zero3(self, model: dict, model_files: list[FileInfo], optim_files: list[FileInfo]) -> None:
         sub_groups = _param_shape_groups(model.get("param_shapes"))
         if sub_groups is None:
-            raise UnsupportedCheckpointError("the ZeRO-3 model-states file has no 'param_shapes'",
-                                             path=model_files[0].path)
+            raise UnsupportedCheckpointError(f"the ZeRO-3 model-states file has no 'param_shapes' (written by "
+                                             f"{self.written_by()})", path=model_files[0].path)
         first = self._optim[min(self._optim)]
         self.partition_count = _as_int(first.get("partition_count"))
         n = self.partition_count or self.dp_world_size or len(optim_files)
@@ -730,6 +833,19 @@ def _plain(v: Any) -> Any:
     if isinstance(v, (str, int, float, bool)) or v is None:
         return v
     return repr(v)
+
+
+def _version_tuple(v: Optional[str]) -> Optional[tuple]:
+    """``"0.10.3"`` -> ``(0, 10, 3)``; ``"0.16.9+abc"`` -> ``(0, 16, 9)``; None if it does not parse."""
+    if not v:
+        return None
+    parts = []
+    for piece in str(v).split("+")[0].split(".")[:3]:
+        digits = piece[:len(piece) - len(piece.lstrip("0123456789"))]  # leading digits: "0rc1" -> "0"
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts) if parts else None
 
 
 def _param_shape_groups(ps: Any) -> Optional[list[dict]]:

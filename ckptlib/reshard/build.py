@@ -112,7 +112,8 @@ class Zero12Resharder:
             osd = ck._optim[r]
             if "base_optimizer_state" in osd and not isinstance(osd["base_optimizer_state"], dict):
                 raise UnsupportedCheckpointError(
-                    "elastic ZeRO-1/2 optimizer state (saved with elastic_checkpoint: true) is not supported yet",
+                    "elastic ZeRO-1/2 optimizer state (saved with elastic_checkpoint: true) cannot be resharded yet "
+                    f"(written by {ck.written_by()})",
                     path=ck.location.tag_dir)
             want = self._group_paddings(self.src, r, ck.partition_count)
             if list(osd.get("group_paddings", want)) != want:
