@@ -10,7 +10,8 @@ Public API::
 from .deepspeed import Checkpoint, open_checkpoint
 from .export import ExportPlan, ExportResult, export, plan_export
 from .progress import Cancelled, Observer
-from .reshard import ReshardPlan, ReshardResult, plan_reshard, reshard
+from .reshard import (ReshardPlan, ReshardResult, UniversalPlan, UniversalResult, plan_reshard, plan_universal, reshard,
+                      write_universal)
 from .errors import (CkptError, IncompleteCheckpointError, NotACheckpointError, OutputError,
                      UnsafeCheckpointError, UnsupportedCheckpointError)
 from .summary import describe
@@ -20,6 +21,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Checkpoint", "open_checkpoint", "describe", "plan_export", "export", "ExportPlan", "ExportResult",
     "Observer", "Cancelled", "plan_reshard", "reshard", "ReshardPlan", "ReshardResult",
+    "plan_universal", "write_universal", "UniversalPlan", "UniversalResult",
     "CkptError", "IncompleteCheckpointError", "NotACheckpointError", "OutputError", "UnsafeCheckpointError",
     "UnsupportedCheckpointError",
 ]

@@ -66,6 +66,8 @@ def _cmd_reshard(args: argparse.Namespace) -> int:
         print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.describe())
         return 0
     result = run(plan, observer=None if args.quiet else TqdmObserver("reshard"))
+    for note in getattr(plan, "notes", []):
+        print(f"note: {note}", file=sys.stderr)
     print(f"wrote {len(result.files)} files, {result.bytes_written:,} bytes to {result.out} "
           f"in {result.seconds:.1f} s (read {result.bytes_read:,} bytes)")
     return 0

@@ -1,23 +1,27 @@
 """Universal checkpoints written by ckptlib (plan_universal / write_universal), checked against DeepSpeed.
 
-DeepSpeed 0.19.8 loads every output at 2, 3 and 4 ranks ("load_universal": true; one torchrun launch
-per world size for all jobs) with masters, moments and step equal to the fixture's reference bit for
-bit, and one more training step continues like DeepSpeed resuming the ORIGINAL checkpoint at N
-(metric and tolerances of tests/test_reshard.py). The files equal what DeepSpeed's own ds_to_universal
-writes, tensor for tensor, except where ds_to_universal is wrong (round_robin_gradients) or where
-ckptlib chose otherwise (documented in ckptlib/reshard/universal.py). No temporary files are made.
+DeepSpeed 0.19.8 loads the outputs at 1, 2, 3 and 4 ranks (each stage at each size, two sizes per
+source; "load_universal": true; one torchrun launch per world size for all jobs) with masters,
+moments and step equal to the fixture's reference bit for bit, and one more training step continues
+like DeepSpeed resuming the ORIGINAL checkpoint at N (metric and tolerances of tests/test_reshard.py)
+and exactly like DeepSpeed resuming the same state resharded natively to M. The files equal what
+DeepSpeed's own ds_to_universal writes, tensor for tensor, except where ds_to_universal is wrong
+(round_robin_gradients) or where ckptlib chose otherwise (documented in ckptlib/reshard/universal.py).
+No temporary files are made; memory is bounded by the chunk buffers.
 
-ZeRO-3: DeepSpeed's universal loader hands ONE step tensor to every sub-group, so in the one training
-step sub-group j uses step t+1+j instead of t+1. Parameters of sub-group 0 are compared with the
-original like ZeRO-1/2; for the others the test shows that the update is exactly AdamW with that
-wrong step (recomputed from the engine's own moments), and that with the right step it would match
-the original: the files hold the right state, the deviation is DeepSpeed's.
+DeepSpeed's own limitations, shown here rather than hidden:
+* ZeRO-3: the universal loader hands ONE step tensor to every sub-group, so in the one training step
+  sub-group j uses step t+1+j instead of t+1. Parameters of sub-group 0 are compared with the original
+  like ZeRO-1/2; for the others the test shows that the update is exactly AdamW with that wrong step
+  (recomputed from the engine's own moments), and that with the right step it would match the
+  original: the files hold the right state, the deviation is DeepSpeed's.
+* ZeRO-3 with load_optimizer_states=False needs `latest` and the original rank files in the load folder.
+* An engine with round_robin_gradients maps universal fragments in the wrong order (any files).
 """
 from __future__ import annotations
 
 import filecmp
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -30,6 +34,7 @@ import torch
 
 import ckptlib
 from ckptlib.layout import zero3_sub_groups
+from ckptlib.reshard import reshard
 from ckptlib.reshard.universal import LATEST_UNIVERSAL, plan_universal, write_universal
 from ckptlib.progress import Observer
 from ckptlib.torchzip import Standin, TensorHandle, open_torch_file
@@ -38,18 +43,22 @@ from tests.fixtures.load_runner import _launch_env, job_for_fixture, run_load_ch
 from tests.fixtures.model import build_model, param_group_names, param_groups
 from tests.test_reshard import FP32_ATOL, HALF_RTOL, continuation_error
 
-SOURCES = ["z1_fp32_w4", "z1_bf16_w3", "z2_fp32_w4", "z2_bf16_w2", "z3_fp32_w2", "z3_bf16_w3", "bf16opt_w3",
-           "z2_roundrobin_w3", "z3_subgroup_w3"]
-TARGETS = (2, 3, 4)
-CASES = [(n, m) for n in SOURCES for m in TARGETS]
+# source -> the sizes it is loaded at: every stage at each of 1, 2, 3, 4 (and never its own size N)
+# (few 4-rank jobs: 4 processes on 2 cores are the slowest)
+TARGETS = {"z1_fp32_w4": (2, 3), "z1_bf16_w3": (1, 4), "bf16opt_w3": (1, 2),
+           "z2_fp32_w4": (1, 3), "z2_bf16_w2": (3, 4), "z2_roundrobin_w3": (1, 2),
+           "z3_fp32_w2": (3, 4), "z3_bf16_w3": (1, 2), "z3_subgroup_w3": (1, 2)}
+SOURCES = list(TARGETS)
+CASES = [(n, m) for n, ms in TARGETS.items() for m in ms]
 # compared file by file with DeepSpeed's ds_to_universal
 DS_CASES = ["z1_bf16_w3", "z1_fp32_w4", "z2_fp32_w4", "z2_bf16_w2", "z3_bf16_w2", "z3_fp32_w4", "bf16opt_w3",
             "z3_subgroup_w3", "z2_roundrobin_w3"]
 # Universal loads restore neither frozen params nor buffers: start from the generator's values so that
 # the continuation can be compared with the original (which restores them).
 AS_GENERATOR = {"init_seed": 1234, "perturb_buffers": False}
-ZERO3_ONLY_RANK0 = ("z3_fp32_w2", 4)   # output left with zero_pp_rank_0's model states only, loaded at 4
+ZERO3_ONLY_RANK0 = ("z3_fp32_w2", 3)   # output left with zero_pp_rank_0's model states only, loaded at 3
 DS_ZERO3_LOAD = ("z3_bf16_w2", 3)      # DeepSpeed's own ZeRO-3 output, loaded at 3
+WEIGHTS_ONLY = ("z3_bf16_w3", 1)       # ZeRO-3 universal load with load_optimizer_states=False
 # DeepSpeed 0.19.8 engines with round_robin_gradients link each parameter to its fp32 fragment at the
 # NATURAL-order offset although the flat group is in round-robin order (no parameter_alignment), so a
 # universal load into such an engine scatters every fragment. Round-robin sources are loaded by engines
@@ -57,6 +66,8 @@ DS_ZERO3_LOAD = ("z3_bf16_w2", 3)      # DeepSpeed's own ZeRO-3 output, loaded a
 RR_OFF = {"zero_optimization": {"round_robin_gradients": False}}
 RR_CONTROLS = {"rr_on ours->2": ("ours", 2), "rr_on ds->3": ("ds", 3), "rr_on ds->2": ("ds", 2)}
 RR_SOURCE = "z2_roundrobin_w3"
+# the same state loaded natively at M (ckptlib's N->M reshard): DeepSpeed must then compute the same step
+TWINS = [("z2_bf16_w2", 3), ("z3_bf16_w3", 2), ("bf16opt_w3", 2)]
 TIMINGS: dict = {}
 
 
@@ -120,9 +131,14 @@ def runs(fixture_by_name, written, ds_written, tmp_path_factory):
         fx = fixture_by_name(name)
         jobs[fx["world_size"]].append(job_for_fixture(fx, name=f"{name}@orig"))
         extra = {"ds_config_overrides": RR_OFF} if fx["extras"].get("round_robin_gradients") else {}
-        for m in TARGETS:
+        for m in (m for n, m in CASES if n == name):
             jobs[m].append(job_for_fixture(fx, checkpoint_dir=written[name], universal=True, name=f"{name}->{m}",
                                            **AS_GENERATOR, **extra))
+    for name, m in TWINS:
+        fx = fixture_by_name(name)
+        resharded = work / f"reshard-{name}-{m}"
+        reshard(fx["checkpoint_path"], resharded, m)
+        jobs[m].append(job_for_fixture(fx, checkpoint_dir=resharded, name=f"{name}=>{m}", **AS_GENERATOR))
     fx = fixture_by_name(RR_SOURCE)
     for label, (whose, m) in RR_CONTROLS.items():
         path = written[RR_SOURCE] if whose == "ours" else ds_written[RR_SOURCE]
@@ -135,6 +151,9 @@ def runs(fixture_by_name, written, ds_written, tmp_path_factory):
         if not f.name.startswith("zero_pp_rank_0_"):
             f.unlink()
     jobs[m].append(job_for_fixture(fx, checkpoint_dir=only0, universal=True, name="only_rank0", **AS_GENERATOR))
+    name, m = WEIGHTS_ONLY
+    jobs[m].append(job_for_fixture(fixture_by_name(name), checkpoint_dir=written[name], universal=True,
+                                   name="weights_only", load_optimizer_states=False, **AS_GENERATOR))
     name, m = DS_ZERO3_LOAD
     jobs[m].append(job_for_fixture(fixture_by_name(name), checkpoint_dir=ds_written[name], universal=True,
                                    name="ds_to_universal", **AS_GENERATOR))
@@ -258,6 +277,24 @@ def test_deepspeed_loads_the_universal_output_exactly_and_continues_like_the_ori
             assert _rel(after["fp32"][p], right, p0) > 0.05, p
 
 
+@pytest.mark.parametrize("name,m", TWINS, ids=[f"{n}->{m}" for n, m in TWINS])
+def test_the_step_after_a_universal_load_equals_the_step_after_a_native_load_of_the_same_state(
+        runs, fixture_by_name, name, m):
+    """Universal load at M vs loading the N->M reshard of the same checkpoint natively at M: identical
+    engines and the same state, so the step must agree bit for bit (the M-vs-N differences of the test
+    above are DeepSpeed's reduction order). ZeRO-3: sub-group 0 only; the shared step moves the others."""
+    fx = fixture_by_name(name)
+    uni, nat = _ok(runs[f"{name}->{m}"]), _ok(runs[f"{name}=>{m}"])
+    for kind in ("fp32", "lp"):
+        assert all(torch.equal(uni["loaded"][kind][p], v) for p, v in nat["loaded"][kind].items()), kind
+    sub = _zero3_sub_group_of(fx, m) if fx["zero_stage"] == 3 else {p: 0 for p in nat["after_step"]["fp32"]}
+    same = [p for p in nat["after_step"]["fp32"] if sub[p] == 0]
+    assert same and all(torch.equal(uni["after_step"]["fp32"][p], nat["after_step"]["fp32"][p]) for p in same)
+    assert all(torch.equal(uni["after_step"]["optim"][p][k], nat["after_step"]["optim"][p][k])
+               for p in nat["after_step"]["optim"] for k in ("exp_avg", "exp_avg_sq"))
+    assert uni["after_step"]["loss"] == nat["after_step"]["loss"]
+
+
 def test_zero3_universal_load_reads_only_rank0_model_states(runs, fixture_by_name, written):
     """At any M every rank opens <tag>/zero_pp_rank_0_mp_rank_*_model_states.pt (DeepSpeed 0.19.8 globs
     with pp rank "0" when load_universal is on), so rank 0's file alone suffices, also for M > N."""
@@ -269,6 +306,19 @@ def test_zero3_universal_load_reads_only_rank0_model_states(runs, fixture_by_nam
     assert all(torch.equal(got["fp32"][p], v) for p, v in ref["fp32"].items())
     names = sorted(f.name for f in (written[name] / _utag(fx)).glob("*_model_states.pt"))
     assert names == [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(fx["world_size"])]
+
+
+def test_zero3_weights_only_universal_load_needs_the_original_checkpoint(runs, fixture_by_name):
+    """A DeepSpeed 0.19.8 limitation, reported by the plan: with load_optimizer_states=False a ZeRO-3 engine
+    first runs zero_to_fp32 on the load folder (via `latest`, even when loading a universal checkpoint)
+    and only then reads zero/. A universal checkpoint in a folder of its own therefore loads only with
+    optimizer states (the default); next to the original (ds_to_universal's layout) it works, after
+    reading the whole original checkpoint."""
+    res = runs["weights_only"]
+    assert res.get("phase") == "load" and "Unable to find 'latest' file" in res["error"], res.get("error")
+    name, _ = WEIGHTS_ONLY
+    plan = plan_universal(fixture_by_name(name)["checkpoint_path"], "/nonexistent/out")
+    assert any("load_optimizer_states=False" in n for n in plan.notes)
 
 
 def test_deepspeed_own_zero3_output_gives_every_group_the_first_groups_hyperparameters(runs, fixture_by_name):
@@ -304,7 +354,7 @@ def test_round_robin_engines_scatter_any_universal_load(runs, fixture_by_name):
 
     assert wrong("rr_on ds->3") == [] and fx["world_size"] == 3
     assert len(wrong("rr_on ours->2")) >= 3 and len(wrong("rr_on ds->2")) >= 3
-    for m in TARGETS:  # and with round_robin_gradients off, ckptlib's files load exactly (test above)
+    for m in (m for n, m in CASES if n == RR_SOURCE):  # with round_robin_gradients off: exact (test above)
         assert _ok(runs[f"{RR_SOURCE}->{m}"])["config"]["zero_optimization"]["round_robin_gradients"] is False
 
 
@@ -468,6 +518,37 @@ def test_no_temporary_files_and_bounded_buffers(fixture_by_name, tmp_path):
         assert filecmp.cmp(parent / f, tmp_path / "default" / f[len("out/"):], shallow=False), f
 
 
+MEMORY_SCRIPT = """
+import sys, threading, time
+from ckptlib.reshard.universal import write_universal
+def anon():
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+peak, stop = [0], threading.Event()
+def sample():
+    while not stop.is_set():
+        peak[0] = max(peak[0], anon()); time.sleep(0.001)
+write_universal(sys.argv[1], sys.argv[2] + "/warm", chunk_bytes=1 << 18)  # warm up allocator and imports
+base = anon()
+t = threading.Thread(target=sample); t.start()
+write_universal(sys.argv[1], sys.argv[2] + "/out", chunk_bytes=1 << 18)
+stop.set(); t.join()
+print(peak[0] - base)
+"""
+
+
+def test_memory_is_bounded_by_the_buffers_not_the_parameters(fixture_by_name, tmp_path):
+    """256 KiB chunks: the process grows far less than the largest parameter (8.4 MB as fp32 here)."""
+    fx = fixture_by_name("large_w2")
+    r = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, str(fx["checkpoint_path"]), str(tmp_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    grown = int(r.stdout.strip().splitlines()[-1])
+    largest = max(p.numel() * 4 for p in build_model("large", seed=0).parameters())
+    assert grown < largest / 2, (grown, largest)
+
+
 def test_plan_is_metadata_only(fixture_by_name, tmp_path):
     fx = fixture_by_name("z3_bf16_w3")
     with ckptlib.open_checkpoint(fx["checkpoint_path"]) as ck:
@@ -484,6 +565,25 @@ def test_plan_is_metadata_only(fixture_by_name, tmp_path):
     ds_total = sum(f.stat().st_size for f in fx["checkpoint_path"].rglob("*_optim_states.pt"))
     opt = tmp_path / "out" / "global_step2_universal" / "zero" / "optimizer_state.pt"
     assert opt.stat().st_size < 4096 < ds_total  # no fp32 partitions or moments in it
+
+
+def test_cancel_leaves_nothing(fixture_by_name, tmp_path):
+    import threading
+
+    cancel = threading.Event()
+
+    class CancelAtThirdFile(Observer):
+        n = 0
+
+        def on_file(self, name):
+            self.n += 1
+            if self.n == 3:
+                cancel.set()
+
+    with pytest.raises(ckptlib.Cancelled):
+        write_universal(fixture_by_name("z3_bf16_w2")["checkpoint_path"], tmp_path / "out",
+                        observer=CancelAtThirdFile(), cancel=cancel)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_refusals(fixture_by_name, tmp_path):

@@ -236,4 +236,7 @@ def reshard(checkpoint: Union[Checkpoint, str, os.PathLike, ReshardPlan], out: U
     return result
 
 
-__all__ = ["plan_reshard", "reshard", "ReshardPlan", "ReshardResult", "TargetFile"]
+from .universal import UniversalPlan, UniversalResult, plan_universal, write_universal  # noqa: E402
+
+__all__ = ["plan_reshard", "reshard", "ReshardPlan", "ReshardResult", "TargetFile", "plan_universal",
+           "write_universal", "UniversalPlan", "UniversalResult"]

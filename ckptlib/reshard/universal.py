@@ -32,10 +32,11 @@ What DeepSpeed 0.19.8 reads when loading it at M ranks (``load_universal: true``
 
 * ``latest_universal`` (unless a tag is passed), then the model-states file(s) matching
   ``<tag>/mp_rank_*_model_states.pt`` (ZeRO-1/2) or ``<tag>/zero_pp_rank_0_mp_rank_*_model_states.pt``
-  (ZeRO-3: rank 0's file whatever M is; DeepSpeed before the fix of #7599 looked for
-  ``zero_pp_rank_<own dp rank>_...`` and failed for M > N). From it: global/skipped steps, LR
-  scheduler, client state. Its ``module`` is NOT loaded: frozen parameters and buffers keep the
-  values the new engine was built with.
+  (ZeRO-3: rank 0's file whatever M is, as tracing the files every rank opens at M = 1..4 shows;
+  DeepSpeed #7599 reports earlier versions looking for per-rank files that do not exist when M > N,
+  so all N files are copied). From it: global/skipped steps, LR scheduler, client state. Its
+  ``module`` is NOT loaded: frozen parameters and buffers keep the values the new engine was built
+  with.
 * ``zero/optimizer_state.pt``. ZeRO-1/2: ``loss_scaler``, ``dynamic_loss_scale``, ``overflow``,
   ``clip_grad``, ``ds_version`` (required) and ``param_groups`` (group i's hyper-parameters to group i).
   BF16_Optimizer: ``param_groups``. ZeRO-3: ``loss_scaler``, ``dynamic_loss_scale``, ``overflow``,
@@ -50,10 +51,11 @@ What DeepSpeed 0.19.8 reads when loading it at M ranks (``load_universal: true``
 Choices, where ``ds_to_universal`` (0.19.8) differs:
 
 * every per-element file has the same form ``{'cat_dim': 0, 'param': tensor of the parameter's shape}``
-  at every stage (ds_to_universal writes raw flat tensors and no ``step.pt`` for ZeRO-3); both
-  ZeRO-3 loaders accept it.
+  at every stage (ds_to_universal writes raw flat tensors and no ``step.pt`` for ZeRO-3); the ZeRO-3
+  loaders (with and without optimizer states) accept both forms.
 * ``zero/optimizer_state.pt`` for ZeRO-3 holds no fp32 partitions and no per-element states (only
-  the step tensors remain; ds_to_universal copies rank 0's whole state, a quarter of a rank file).
+  the step tensors remain; ds_to_universal copies rank 0's whole optimizer state, as big as a rank's
+  optimizer file).
   And since the ZeRO-3 loader applies ``param_groups[0]`` of ``optimizer_state_dict`` to every group,
   hyper-parameters that differ between groups (e.g. lr, weight_decay) are left out of that entry,
   so each group keeps the value its engine was configured with instead of silently taking group
@@ -69,7 +71,10 @@ Known DeepSpeed 0.19.8 loader limitations no file content can avoid: the ZeRO-3 
 tensor into every sub-group's Adam state, so each training step advances it once per sub-group
 (sub-group 0 steps right, the others with a step count that is too high); frozen parameters and
 buffers are not restored by any universal load; the ZeRO-3 loader only knows ``exp_avg`` and
-``exp_avg_sq``; a ZeRO-1/2 engine with ``round_robin_gradients`` links every parameter to its fp32
+``exp_avg_sq``; a ZeRO-3 engine asked for ``load_optimizer_states=False`` first runs zero_to_fp32 on the
+load folder through ``latest`` (also in universal mode), which fails for a folder holding only the
+universal checkpoint (ds_to_universal's output, next to the original, works after reading the whole
+original); a ZeRO-1/2 engine with ``round_robin_gradients`` links every parameter to its fp32
 fragment at the natural-order offset although its flat groups are in round-robin order, so ANY
 universal load into it scatters the values (load with ``round_robin_gradients`` off; ds_to_universal's
 files, cut the same wrong way at save, happen to load right at the saving size only).
@@ -293,7 +298,8 @@ def plan_universal(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[s
     if ck.flavor == NO_ZERO:
         raise UnsupportedCheckpointError(
             "this checkpoint has no ZeRO partitioning (stage 0): DeepSpeed's universal loader only works with "
-            "ZeRO stages 1-3", path=ck.location.tag_dir, hint="DeepSpeed loads a stage-0 checkpoint at any size as it is")
+            "ZeRO stages 1-3", path=ck.location.tag_dir,
+            hint="DeepSpeed loads a stage-0 checkpoint at any size as it is")
     src = _Source(ck)
     ctx = StreamContext(bufs=None)
     utag = f"{ck.location.tag}{UNIVERSAL_SUFFIX}"
@@ -342,6 +348,10 @@ def plan_universal(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[s
     if ck.buffers:
         notes.append("buffers are only in the copied model-states file(s); DeepSpeed's universal load restores "
                      "neither buffers nor frozen parameters (they keep the engine's values)")
+    if ck.zero_stage == 3:
+        notes.append("load it with optimizer states (the default): with load_optimizer_states=False a DeepSpeed "
+                     "0.19.8 ZeRO-3 engine first runs zero_to_fp32 on the load folder through `latest`, even for a "
+                     "universal checkpoint, and fails here")
     if ck.zero_stage == 3 and len(ck.layouts[0].sub_group_sizes) > 1:
         notes.append("DeepSpeed 0.19.8's ZeRO-3 universal loader gives all sub-groups ONE step tensor: after "
                      "loading, each training step advances it once per sub-group (a DeepSpeed bug; the files hold "
