@@ -204,6 +204,13 @@ class MemorySampler:
                     self.errors.append(e)
         return s
 
+    def reset(self) -> None:
+        """Forget the history and the peaks; time starts again at 0."""
+        with self._lock:
+            self.history.clear()
+            self.peak_anon = self.peak_rss = 0
+            self._t0 = self.clock()
+
     def snapshot(self) -> list[Sample]:
         """A copy of the history (safe to use while the thread runs)."""
         with self._lock:
@@ -307,7 +314,8 @@ class watch_memory:
         self.watch: Optional[MemoryWatch] = None
 
     def __enter__(self) -> MemoryWatch:
-        sampler = MemorySampler(interval=self.interval, maxlen=100_000, measure=self.measure)
+        # an hour at 0.1 s (a few MB at most); the peak is kept whatever drops out of the history
+        sampler = MemorySampler(interval=self.interval, maxlen=36_000, measure=self.measure)
         self.watch = MemoryWatch(sampler)
         first = sampler.sample()
         self.watch.baseline = first.anon
@@ -385,7 +393,7 @@ def memory_verdict(predicted: Union[int, Any], system: Optional[SystemMemory] = 
 
 
 # ============================================================================================ plotting
-MIB = 2**20
+MB = 10**6  # decimal megabytes, like every other size ckptlib prints (human_bytes)
 
 
 def memory_figure(history, predicted: Optional[int] = None, baseline: Optional[int] = None,
@@ -397,29 +405,34 @@ def memory_figure(history, predicted: Optional[int] = None, baseline: Optional[i
     ax = fig.add_subplot(1, 1, 1)
     hist = list(history)
     t = [s.t for s in hist]
-    anon = [s.anon / MIB for s in hist]
-    file = [s.file / MIB for s in hist]
+    anon = [s.anon / MB for s in hist]
+    file = [s.file / MB for s in hist]
     if hist:
         ax.stackplot(t, anon, file, labels=["anonymous", "file-backed"], colors=["#4C72B0", "#C7D6EC"],
                      alpha=0.9)
+        ax.plot(t, anon, color="#2A4D80", linewidth=1, marker="." if len(hist) < 40 else None)
+        if t[-1] - t[0] < 1.0:  # a short run: show at least a second, so that a few samples read as a chart
+            ax.set_xlim(t[0] - 0.05, t[0] + 1.0)
         peak = max(hist, key=lambda s: s.anon)
-        ax.plot([peak.t], [peak.anon / MIB], marker="v", color="#C44E52")
-        ax.annotate(f"peak {peak.anon / MIB:.0f} MiB", (peak.t, peak.anon / MIB), textcoords="offset points",
-                    xytext=(4, 4), fontsize=8, color="#C44E52")
+        ax.plot([peak.t], [peak.anon / MB], marker="v", color="#C44E52")
+        right = peak.t > (t[0] + max(t[-1] - t[0], 1.0) / 2)
+        ax.annotate(f"peak {peak.anon / MB:.0f} MB", (peak.t, peak.anon / MB), textcoords="offset points",
+                    xytext=(-4 if right else 4, 4), ha="right" if right else "left", fontsize=8, color="#C44E52")
     if predicted is not None:
         base = baseline if baseline is not None else (hist[0].anon if hist else 0)
-        ax.axhline((base + predicted) / MIB, color="#DD8452", linestyle="--", linewidth=1.2,
-                   label=f"predicted peak (+{predicted / MIB:.0f} MiB)")
+        ax.axhline((base + predicted) / MB, color="#DD8452", linestyle="--", linewidth=1.2,
+                   label=f"predicted peak (+{predicted / MB:.0f} MB)")
     if available is not None:
         top = ax.get_ylim()[1]
-        if available / MIB < top * 4:
-            ax.axhline(((hist[-1].rss if hist else 0) + available) / MIB, color="#C44E52", linewidth=1,
+        if available / MB < top * 4:
+            ax.axhline(((hist[-1].rss if hist else 0) + available) / MB, color="#C44E52", linewidth=1,
                        label="available")
     ax.set_xlabel("seconds")
-    ax.set_ylabel("MiB")
+    ax.set_ylabel("MB")
     ax.set_title(title, fontsize=10)
     ax.set_ylim(bottom=0)
-    ax.legend(loc="upper left", fontsize=7, frameon=False)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="lower left", fontsize=7, frameon=True, framealpha=0.8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig

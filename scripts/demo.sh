@@ -1,6 +1,5 @@
 #!/usr/bin/env bash
-# Set up and run the main job on the bundled sample checkpoint.
+# Set up and open the notebooks in JupyterLab on the bundled sample checkpoint (see scripts/lab.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
-.venv/bin/ckpt inspect samples/zero2_bf16_w2/ckpt
+exec bash scripts/lab.sh "$@"

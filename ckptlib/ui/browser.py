@@ -21,7 +21,7 @@ import ckptlib
 from ckptlib.memory import figure_png
 
 from . import figures
-from .common import ErrorArea, find_path, guarded, png_image
+from .common import ErrorArea, find_path, guarded, png_image, set_png
 
 _MODEL = re.compile(r"(^|_)model_states\.pt$")
 _OPTIM = re.compile(r"optim_states\.pt$")
@@ -234,7 +234,7 @@ class CheckpointBrowser(widgets.VBox):
         self.tag.layout.display = "" if len(loc.tags) > 1 else "none"
         self.summary.value = figures.summary_html(ck)
         self.file_table.value = figures.file_table_html(ck)
-        self.chart.value = figure_png(figures.file_sizes_figure(ck))
+        set_png(self.chart, figure_png(figures.file_sizes_figure(ck)))
         self.params.value = figures.parameters_html(ck)
         self.problems.value = figures.problems_html(ck)
         self.details.set_title(3, f"Problems ({len(ck.problems)})" if ck.problems else "Problems")

@@ -145,8 +145,9 @@ SAMPLE = "samples/zero2_bf16_w2/ckpt"
 
 def find_path(path: Union[str, os.PathLike], must_exist: bool = True) -> Path:
     """Resolve a path given in a notebook robustly: as given (absolute, or relative to the current
-    folder), else relative to a parent of the current folder (a notebook runs in ``notebooks/``), else
-    relative to ckptlib's source tree (the bundled sample). Returns the first that exists; with
+    folder), else relative to a parent of the current folder, else relative to ckptlib's source tree's
+    ``notebooks/`` or the tree itself (so ``../samples/...`` finds the bundled sample wherever the
+    kernel runs). Returns the first that exists; with
     ``must_exist=False`` a path that exists nowhere is returned relative to the current folder."""
     p = Path(path).expanduser()
     if p.is_absolute() or p.exists():
@@ -154,8 +155,8 @@ def find_path(path: Union[str, os.PathLike], must_exist: bool = True) -> Path:
     here = Path.cwd()
     candidates = [parent / p for parent in list(here.parents)[:3]]
     root = repo_root()
-    if root is not None:
-        candidates.append(root / p)
+    if root is not None:  # a path written relative to notebooks/ (or to the source tree)
+        candidates += [root / "notebooks" / p, root / p]
     for c in candidates:
         if c.exists():
             return c.resolve()
@@ -175,7 +176,17 @@ def as_checkpoint(checkpoint: Union["ckptlib.Checkpoint", str, os.PathLike]) -> 
     return ckptlib.open_checkpoint(find_path(checkpoint))
 
 
-def png_image(cls: str, width: Optional[str] = None) -> widgets.Image:
-    img = widgets.Image(format="png", layout=widgets.Layout(max_width="100%", width=width or "auto"))
+def png_image(cls: str) -> widgets.Image:
+    """An empty ``Image`` widget for PNGs (see :func:`set_png`), with a CSS class to find it by."""
+    img = widgets.Image(format="png", layout=widgets.Layout(max_width="100%", height="auto"))
     img.add_class(cls)
     return img
+
+
+def set_png(img: widgets.Image, png: bytes) -> None:
+    """Show ``png`` at its own size (shrunk to fit, never stretched). Safe from any thread."""
+    if png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) >= 24:
+        width = int.from_bytes(png[16:20], "big")
+        if img.layout.width != f"{width}px":
+            img.layout.width = f"{width}px"
+    img.value = png

@@ -230,22 +230,33 @@ def layout_figure(ckpt: "ckptlib.Checkpoint", panels: Optional[list[int]] = None
         ax = fig.add_subplot(grid[row, 0])
         length = max(panel["length"], 1)
         labels = 0
+        from matplotlib.colors import to_rgba
+
         for r in range(n):
             y = n - 1 - r
-            for seg in panel_segments(panel, r):
+            pads, spans, faces, edges, widths = [], [], [], [], []
+            segs = panel_segments(panel, r)
+            thin = 0.5 if len(segs) <= 150 else 0.0  # white separators only while they can be seen
+            for seg in segs:
                 x0, w = seg.rank_start, seg.count
                 if seg.is_padding:
-                    ax.barh(y, w, left=x0, height=0.7, color=PADDING_COLOR, edgecolor="#888888", hatch="////",
-                            linewidth=0.4)
+                    pads.append((x0, w))
                     continue
-                faded = target is not None and seg.name != target
-                ax.barh(y, w, left=x0, height=0.7, color=color(seg.name), alpha=0.3 if faded else 0.95,
-                        edgecolor="black" if seg.name == target else "white",
-                        linewidth=2.0 if seg.name == target else 0.5)
+                picked = seg.name == target
+                spans.append((x0, w))
+                faces.append(to_rgba(color(seg.name), 0.3 if target is not None and not picked else 0.95))
+                edges.append("black" if picked else "white")
+                widths.append(2.0 if picked else thin)
                 if w / length > 0.06 and labels < max_labels:
                     labels += 1
                     ax.text(x0 + w / 2, y, _short(seg.name, w / length), ha="center", va="center", fontsize=7,
                             color="black", clip_on=True)
+            # one collection per rank and kind: thousands of parameters draw in a blink
+            if spans:
+                ax.broken_barh(spans, (y - 0.35, 0.7), facecolors=faces, edgecolors=edges, linewidths=widths)
+            if pads:
+                ax.broken_barh(pads, (y - 0.35, 0.7), facecolors=PADDING_COLOR, edgecolors="#888888", hatch="////",
+                               linewidths=0.4)
         ax.set_yticks(range(n))
         ax.set_yticklabels([f"rank {n - 1 - i}" for i in range(n)], fontsize=8)
         ax.set_xlim(0, length)

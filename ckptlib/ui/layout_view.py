@@ -17,7 +17,7 @@ import ckptlib
 from ckptlib.memory import figure_png
 
 from . import figures
-from .common import ErrorArea, as_checkpoint, guarded, png_image
+from .common import ErrorArea, as_checkpoint, guarded, png_image, set_png
 
 ALL = -1
 
@@ -27,8 +27,8 @@ class LayoutView(widgets.VBox):
 
     - *show*: all groups (ZeRO-1/2 parameter groups, ZeRO-3 sub-groups) or one;
     - *search*: type part of a name; the list below shows the matches;
-    - picking a parameter outlines its pieces in the figure (and shows only its group) and lists which
-      ranks hold it, in which file, at which offset, which of its elements.
+    - picking a parameter outlines its pieces in the figure (when one group is shown, the parameter's
+      group) and lists which ranks hold it, in which file, at which offset, which of its elements.
     """
 
     def __init__(self, checkpoint: Union["ckptlib.Checkpoint", str, os.PathLike]):
@@ -46,7 +46,9 @@ class LayoutView(widgets.VBox):
                                    continuous_update=True, layout=widgets.Layout(width="45%"))
         self.param = widgets.Select(description="parameter", options=[("(none)", "")] + [(n, n) for n in self.names],
                                     value="", rows=7, layout=widgets.Layout(width="60%"))
-        self.figure = png_image("ckpt-layout-figure", width="100%")
+        self.param.add_class("ckpt-param-select")
+        self.search.add_class("ckpt-param-search")
+        self.figure = png_image("ckpt-layout-figure")
         self.where = widgets.HTML()
         self.where.add_class("ckpt-where")
         self.group.observe(self._on_group, names="value")
@@ -100,5 +102,5 @@ class LayoutView(widgets.VBox):
         """Draw the figure for the current choices into the image."""
         g = self.group.value
         panels = None if g == ALL else [g]
-        self.figure.value = figure_png(figures.layout_figure(self.checkpoint, panels=panels,
-                                                             highlight=self.selected))
+        set_png(self.figure, figure_png(figures.layout_figure(self.checkpoint, panels=panels,
+                                                              highlight=self.selected)))

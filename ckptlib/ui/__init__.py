@@ -1,0 +1,27 @@
+"""Notebook widgets for ckptlib (ipywidgets 8; needs the ``notebooks`` extra).
+
+Built only on ckptlib's public API; nothing in the library imports this package.
+
+- :class:`CheckpointBrowser` — path box and folder list; recognises checkpoints, tags and ``latest``;
+  summary, file table with sizes per rank and a bar chart, parameters, problems.
+- :class:`LayoutView` — each rank's flat partition as a bar (parameters coloured, padding hatched);
+  pick or search a parameter to see which ranks hold it, at which offsets.
+- :class:`ExportWizard`, :class:`ReshardWizard` — options → plan (predicted memory and disk) → run in a
+  worker thread (progress, live memory chart, Cancel) → verify → summary.
+- :class:`MemoryMonitor` — the kernel's memory, live.
+
+The figures are also available as plain functions (``layout_figure``, ``file_sizes_figure``), and the
+path helpers (``find_path``, ``sample_checkpoint``) resolve notebook parameters robustly.
+"""
+from .browser import CheckpointBrowser, detect
+from .common import ErrorArea, WidgetObserver, find_path, sample_checkpoint
+from .figures import (file_sizes_figure, file_table_html, layout_figure, layout_panels, parameters_html, problems_html,
+                      summary_html, table_html, where_html, where_is)
+from .layout_view import LayoutView
+from .monitor import MemoryMonitor
+from .wizards import ExportWizard, ReshardWizard, verify_export, verify_reshard
+
+__all__ = ["CheckpointBrowser", "LayoutView", "ExportWizard", "ReshardWizard", "MemoryMonitor", "ErrorArea",
+           "WidgetObserver", "detect", "find_path", "sample_checkpoint", "file_sizes_figure", "file_table_html",
+           "layout_figure", "layout_panels", "parameters_html", "problems_html", "summary_html", "table_html",
+           "where_html", "where_is", "verify_export", "verify_reshard"]

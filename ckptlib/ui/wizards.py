@@ -1,0 +1,482 @@
+"""Export and reshard wizards: options → plan (predicted memory and disk) → run (progress, live memory,
+Cancel) → verify → summary.
+
+The run happens in a worker thread so the notebook stays responsive (a Cancel click reaches the kernel
+only when no cell is running); cancelling sets the ``threading.Event`` passed to ckptlib as ``cancel=``,
+and ckptlib then leaves nothing behind. The worker only sets widget values.
+
+::
+
+    from ckptlib.ui import ExportWizard
+    wizard = ExportWizard("samples/zero2_bf16_w2/ckpt", out="output/export")
+    wizard                          # pick options, click Plan, then Run
+    wizard.wait()                   # (in a script or a test) until the run, verification and summary are done
+"""
+from __future__ import annotations
+
+import html
+import os
+import shutil
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+import ipywidgets as widgets
+import torch
+
+import ckptlib
+from ckptlib.memory import memory_verdict, process_memory
+from ckptlib.summary import human_bytes
+
+from .common import ErrorArea, WidgetObserver, as_checkpoint, find_path, guarded
+from .figures import table_html
+from .monitor import MemoryMonitor
+
+#: tensors larger than this are not read back for verification (it reads whole tensors)
+VERIFY_MAX_BYTES = 64 * 2**20
+
+STEPS = [("options", "1 · options"), ("planned", "2 · plan"), ("running", "3 · run"), ("verifying", "4 · verify"),
+         ("done", "5 · summary")]
+
+
+@dataclass
+class Check:
+    """One verification check: what was checked, whether it held, and details."""
+
+    what: str
+    ok: bool
+    detail: str = ""
+
+
+def checks_html(checks: list[Check]) -> str:
+    rows = "".join(
+        f"<tr><td>{'&#10004;' if c.ok else '&#10008;'}</td><td>{html.escape(c.what)}</td>"
+        f"<td style='color:#555'>{html.escape(c.detail)}</td></tr>" for c in checks)
+    ok = all(c.ok for c in checks)
+    head = ("<b style='color:#2e7d32'>verified</b>" if ok else "<b style='color:#b71c1c'>verification FAILED</b>")
+    return f"<div class='ckpt-verify'>{head}<table>{rows}</table></div>"
+
+
+def free_disk(path: Path) -> Optional[int]:
+    """Free bytes on the file system that would hold ``path`` (its nearest existing ancestor)."""
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return shutil.disk_usage(p).free
+    except OSError:
+        return None
+
+
+def _pick(items: list, key=lambda t: t.nbytes, n: int = 4) -> list:
+    """A few items spread over the list (first, last, largest under the cap, middle)."""
+    small = [t for t in items if key(t) <= VERIFY_MAX_BYTES]
+    if not small:
+        return []
+    chosen = [small[0], small[-1], max(small, key=key), small[len(small) // 2]]
+    out = []
+    for t in chosen:
+        if all(t is not o for o in out):
+            out.append(t)
+    return out[:n]
+
+
+# ============================================================================================ verification
+def verify_export(plan: "ckptlib.ExportPlan", out: Union[str, os.PathLike], n: int = 4) -> list[Check]:
+    """Re-open an export's output and compare a few tensors, bit for bit, with the values ckptlib's own
+    reader assembles from the checkpoint. Also checks that every planned file and tensor is there."""
+    out = Path(out)
+    ck = plan.checkpoint
+    checks = []
+    missing = [f.name for f in plan.files if not (out / f.name).is_file()]
+    missing += [i for i in plan.index_files if not (out / i).is_file()]
+    checks.append(Check("every planned file is there", not missing,
+                        f"{len(plan.files)} file(s)" + (f"; missing {', '.join(missing)}" if missing else "")))
+    if missing:
+        return checks
+    readers, names_ok, detail = {}, True, []
+    for f in plan.files:
+        path = out / f.name
+        if plan.format == "safetensors":
+            from safetensors import safe_open
+
+            h = safe_open(str(path), framework="pt")
+            keys = set(h.keys())
+            readers[f.name] = h.get_tensor
+        else:
+            tf = ckptlib_torch_file(path)
+            keys = set(tf.obj)
+            readers[f.name] = (lambda obj: (lambda k: obj[k].read()))(tf.obj)
+        want = {t.name for t in f.tensors}
+        if keys != want:
+            names_ok = False
+            detail.append(f"{f.name}: {len(keys ^ want)} names differ")
+    checks.append(Check("each file holds exactly the planned tensors", names_ok,
+                        "; ".join(detail) or f"{len(plan.tensors)} tensors"))
+    file_of = {id(t): f.name for f in plan.files for t in f.tensors}
+    for t in _pick(plan.tensors, n=n):
+        got = readers[file_of[id(t)]](t.name)
+        if t.kind == "state":
+            ref = ck.read_state(t.source, t.key)
+        elif t.kind == "buffer":
+            ref = ck.read_buffer(t.source)
+        else:
+            ref = ck.read_param(t.source)
+        ref = ref.to(t.dtype)
+        same = got.dtype == ref.dtype and tuple(got.shape) == tuple(ref.shape) and torch.equal(got, ref)
+        label = t.name if not t.key else f"{t.key}/{t.name}"
+        checks.append(Check(f"{label} equals the checkpoint's value", same,
+                            f"{list(t.shape)} {str(t.dtype).replace('torch.', '')}, bit for bit"
+                            if same else f"got {got.dtype} {list(got.shape)}"))
+    return checks
+
+
+def ckptlib_torch_file(path: Path):
+    """Open a ``pytorch_model*.bin`` with ckptlib's safe reader (no pickle code runs)."""
+    from ckptlib.torchzip import open_torch_file
+
+    return open_torch_file(path)
+
+
+def verify_reshard(plan: "ckptlib.ReshardPlan", out: Union[str, os.PathLike], n: int = 4) -> list[Check]:
+    """Re-open a reshard's output with ckptlib and compare a few parameters and optimizer states with
+    the source, bit for bit."""
+    src = plan.checkpoint
+    checks = []
+    try:
+        new = ckptlib.open_checkpoint(out)
+    except ckptlib.CkptError as e:
+        return [Check("the output opens as a checkpoint", False, str(e))]
+    with new:
+        checks.append(Check("the output opens as a checkpoint, no problems found", not new.problems,
+                            "; ".join(new.problems) or f"tag {new.location.tag}, ZeRO-{new.zero_stage}"))
+        ranks = {f.dp_rank for f in new.files if f.kind == "optim_states"}
+        checks.append(Check(f"partitioned for {plan.world_size} ranks",
+                            new.partition_count == plan.world_size and len(ranks) == plan.world_size,
+                            f"partition count {new.partition_count}, {len(ranks)} optimizer-state files"))
+        same_params = [(p.name, p.shape) for p in new.parameters] == [(p.name, p.shape) for p in src.parameters]
+        checks.append(Check("same parameters and shapes", same_params, f"{len(new.parameters)} parameters"))
+        if new.problems or not same_params:
+            return checks
+        trainable = [p for p in src.parameters if p.trainable and not p.tied_to]
+        keys = list(src.optimizer.state_keys) if src.optimizer else []
+        for p in _pick(trainable, key=lambda p: p.numel * 4, n=n):
+            same = torch.equal(new.read_param(p.name), src.read_param(p.name))
+            states = [k for k in keys if torch.equal(new.read_state(p.name, k), src.read_state(p.name, k))]
+            checks.append(Check(f"{p.name}: fp32 master" + (f" and {', '.join(keys)}" if keys else "") + " equal",
+                                same and len(states) == len(keys), f"{list(p.shape)}, bit for bit"))
+    return checks
+
+
+# ============================================================================================ the wizards
+class _Wizard(widgets.VBox):
+    kind = "run"
+
+    def __init__(self, checkpoint, out):
+        self.errors = ErrorArea()
+        self.checkpoint: ckptlib.Checkpoint = as_checkpoint(checkpoint)
+        self.plan = None
+        self.result = None
+        self.verification: list[Check] = []
+        self.state = "options"
+        self.thread: Optional[threading.Thread] = None
+        self.cancel_event: Optional[threading.Event] = None
+        self.observer: Optional[WidgetObserver] = None
+        self.finished = threading.Event()
+        self.finished.set()
+        self._plan_used = False
+
+        self.steps = widgets.HTML()
+        self.out = widgets.Text(description="output", value=str(find_path(out, must_exist=False)),
+                                layout=widgets.Layout(width="80%"))
+        self.overwrite = widgets.Checkbox(value=False, description="replace the output folder if it is not empty",
+                                          indent=False)
+        self.plan_button = widgets.Button(description="Plan", icon="list", button_style="info",
+                                          tooltip="compute the plan from metadata (reads no tensor data)")
+        self.plan_view = widgets.HTML()
+        self.plan_view.add_class("ckpt-plan")
+        self.verdict = widgets.HTML()
+        self.verdict.add_class("ckpt-verdict")
+        self.run_button = widgets.Button(description="Run", icon="play", button_style="success", disabled=True)
+        self.cancel_button = widgets.Button(description="Cancel", icon="stop", button_style="danger", disabled=True)
+        self.progress = widgets.FloatProgress(value=0.0, min=0.0, max=1.0, description="progress",
+                                              layout=widgets.Layout(width="60%"))
+        self.status = widgets.HTML()
+        self.status.add_class("ckpt-status")
+        self.monitor = MemoryMonitor(show_button=False, title=f"memory of this kernel during the {self.kind}")
+        self.verify_view = widgets.HTML()
+        self.summary = widgets.HTML()
+        self.summary.add_class("ckpt-summary-box")
+
+        options = self._options()
+        for w in options + [self.out, self.overwrite]:
+            w.observe(self._on_option, names="value")
+        self.plan_button.on_click(self._on_plan)
+        self.run_button.on_click(self._on_run)
+        self.cancel_button.on_click(self._on_cancel)
+        ck = self.checkpoint
+        head = widgets.HTML(f"<b>{self.kind}</b> <code>{html.escape(str(ck.location.tag_dir))}</code> "
+                            f"(ZeRO-{ck.zero_stage}, {ck.dtype}, {ck.dp_world_size} ranks)")
+        super().__init__([head, self.steps, *options, self.out, self.overwrite, self.plan_button, self.plan_view,
+                          self.verdict, widgets.HBox([self.run_button, self.cancel_button]),
+                          widgets.HBox([self.progress, self.status]), self.monitor, self.verify_view, self.summary,
+                          self.errors])
+        self.add_class(f"ckpt-{self.kind}-wizard")
+        self._set_state("options")
+
+    # ---------------------------------------------------------------- to override
+    def _options(self) -> list:
+        raise NotImplementedError
+
+    def _make_plan(self):
+        raise NotImplementedError
+
+    def _execute(self, plan, observer, cancel):
+        raise NotImplementedError
+
+    def _verify(self, plan, result) -> list[Check]:
+        raise NotImplementedError
+
+    def _next_steps(self, result) -> str:
+        return ""
+
+    # ---------------------------------------------------------------- state
+    @property
+    def running(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    def _set_state(self, state: str) -> None:
+        self.state = state
+        order = [s for s, _ in STEPS]
+        if state in order:
+            at = order.index(state)
+        else:  # cancelled or failed: where it stopped (running, or verifying once there is a result)
+            at = order.index("verifying" if self.result is not None else "running")
+        parts = []
+        for i, (s, label) in enumerate(STEPS):
+            style = "font-weight:bold;color:#1565c0" if i == at else ("color:#2e7d32" if i < at else "color:#999")
+            parts.append(f"<span style='{style}'>{label}</span>")
+        extra = {"cancelled": " &mdash; <b style='color:#e65100'>cancelled</b>",
+                 "failed": " &mdash; <b style='color:#b71c1c'>failed</b>"}.get(state, "")
+        self.steps.value = " &rarr; ".join(parts) + extra
+
+    def wait(self, timeout: Optional[float] = None) -> str:
+        """Wait until the run (with verification and summary) ends; returns the final state."""
+        self.finished.wait(timeout)
+        if self.thread is not None:
+            self.thread.join(0 if not self.finished.is_set() else None)
+        return self.state
+
+    # ---------------------------------------------------------------- callbacks
+    @guarded("options")
+    def _on_option(self, change) -> None:
+        if self.plan is not None and not self.running:
+            self.plan = None
+            self.run_button.disabled = True
+            self.plan_view.value = "<i>options changed: plan again</i>"
+            self.verdict.value = ""
+            self._set_state("options")
+
+    @guarded("plan")
+    def _on_plan(self, _=None) -> None:
+        if self.running:
+            raise ckptlib.CkptError("a run is in progress; cancel it or wait for it first")
+        self.plan = None
+        self.run_button.disabled = True
+        self.plan_view.value = self.verdict.value = ""
+        plan = self._make_plan()
+        self.plan, self._plan_used = plan, False
+        self.plan_view.value = f"<pre style='font-size:11px;line-height:1.3'>{html.escape(plan.describe())}</pre>"
+        self.verdict.value = self._verdict_html(plan)
+        self.run_button.disabled = False
+        self._set_state("planned")
+
+    def _verdict_html(self, plan) -> str:
+        v = memory_verdict(plan)
+        color = {"ok": "#2e7d32", "tight": "#e65100", "no": "#b71c1c"}[v.level]
+        icon = "&#10004;" if v.level == "ok" else "&#9888;"
+        lines = [f"<div style='color:{color}'>{icon} memory: {html.escape(v.message)}</div>"]
+        free = free_disk(Path(plan.out))
+        if free is not None:
+            fits = plan.write_bytes <= free
+            lines.append(f"<div style='color:{'#2e7d32' if fits else '#b71c1c'}'>{'&#10004;' if fits else '&#9888;'} "
+                         f"disk: writes {human_bytes(plan.write_bytes)}, {human_bytes(free)} free"
+                         + ("" if fits else " &mdash; NOT enough space") + "</div>")
+        out = Path(plan.out)
+        if out.exists() and any(out.iterdir()):
+            lines.append("<div style='color:#e65100'>&#9888; the output folder exists and is not empty: "
+                         + ("it will be replaced" if plan.overwrite else "tick 'replace' or choose another folder")
+                         + "</div>")
+        return "".join(lines)
+
+    @guarded("run")
+    def _on_run(self, _=None) -> None:
+        if self.running:
+            return
+        if self.plan is None:
+            raise ckptlib.CkptError("make a plan first (the 'Plan' button)")
+        if self._plan_used:  # a plan is executed once; a second run gets a fresh one
+            self.plan = self._make_plan()
+        plan, self._plan_used = self.plan, True
+        self.result, self.verification = None, []
+        self.verify_view.value = self.summary.value = ""
+        self.cancel_event = threading.Event()
+        self.observer = WidgetObserver(self.progress, self.status)
+        self.progress.value, self.progress.bar_style = 0.0, "info"
+        self.status.value = "starting"
+        self.monitor.reset()
+        self.monitor.baseline = process_memory().anon
+        self.monitor.predicted = plan.predicted_peak_bytes
+        self.monitor.start()
+        self.run_button.disabled = self.plan_button.disabled = True
+        self.cancel_button.disabled = False
+        self._set_state("running")
+        self.finished.clear()
+        self.thread = threading.Thread(target=self._work, args=(plan, self.cancel_event, self.observer),
+                                       name=f"ckptlib-{self.kind}", daemon=True)
+        self.thread.start()
+
+    @guarded("cancel")
+    def _on_cancel(self, _=None) -> None:
+        if self.cancel_event is not None and self.running:
+            self.cancel_event.set()
+            self.cancel_button.disabled = True
+            self.status.value = "cancelling at the next chunk&hellip;"
+
+    # ---------------------------------------------------------------- the worker thread (sets values only)
+    def _work(self, plan, cancel: threading.Event, observer: WidgetObserver) -> None:
+        try:
+            result = self._execute(plan, observer, cancel)
+            self.result = result
+            self._set_state("verifying")
+            self.status.value = "verifying the output&hellip;"
+            self.verification = checks = self._verify(plan, result)
+            self.verify_view.value = checks_html(checks)
+            ok = all(c.ok for c in checks)
+            self.summary.value = self._summary_html(plan, result, ok)
+            self.status.value = "done" if ok else "done, but verification failed"
+            self._set_state("done" if ok else "failed")
+        except ckptlib.Cancelled:
+            self.status.value = ("<b>cancelled</b>: nothing was written (the output folder "
+                                 f"<code>{html.escape(str(plan.out))}</code> was not created)")
+            self._set_state("cancelled")
+        except BaseException as e:  # shown in the widget, never lost
+            self.errors.show(e, f"{self.kind} run")
+            self.status.value = "failed (see below)"
+            self._set_state("failed")
+        finally:
+            try:
+                self.monitor.stop_later(1.0)  # a few samples after a short run, without holding anything up
+            finally:
+                self.cancel_button.disabled = True
+                self.run_button.disabled = self.plan is None
+                self.plan_button.disabled = False
+                self.finished.set()
+
+    def _summary_html(self, plan, result, ok: bool) -> str:
+        mem = getattr(result, "memory", None)
+        rate = human_bytes(result.bytes_written / result.seconds) + "/s" if result.seconds > 0 else "-"
+        rows = [
+            ("output", f"<code>{html.escape(str(result.out))}</code>"),
+            ("written", f"{len(result.files)} file{'s' if len(result.files) != 1 else ''}, {human_bytes(result.bytes_written)} in {result.seconds:.2f} s "
+                        f"({rate}); read {human_bytes(result.bytes_read)} of the checkpoint"),
+            ("memory", (f"peak +{human_bytes(mem.peak_added)} over the start (measured), predicted "
+                        f"{human_bytes(plan.predicted_peak_bytes)}" if mem else "not measured")),
+            ("verified", "yes" if ok else "<b style='color:#b71c1c'>NO</b>"),
+        ]
+        body = "".join(f"<tr><th style='text-align:left;padding-right:1em'>{k}</th><td>{v}</td></tr>"
+                       for k, v in rows)
+        return f"<div><b>Summary</b><table>{body}</table>{self._next_steps(result)}</div>"
+
+
+class ExportWizard(_Wizard):
+    """Export consolidated weights (and optimizer states) step by step.
+
+    Args:
+        checkpoint: a :class:`ckptlib.Checkpoint` or a path.
+        out: the output folder (default ``output/export`` under the current folder).
+    """
+
+    kind = "export"
+
+    def __init__(self, checkpoint, out: Union[str, os.PathLike] = "output/export"):
+        super().__init__(checkpoint, out)
+
+    def _options(self) -> list:
+        ck = self.checkpoint
+        self.format = widgets.ToggleButtons(options=["safetensors", "torch"], value="safetensors",
+                                            description="format")
+        self.dtype = widgets.ToggleButtons(options=["fp32", "bf16", "fp16"], value="fp32", description="dtype")
+        self.max_shard_size = widgets.Text(value="5GB", description="shard size",
+                                           tooltip="e.g. 5GB, 500MB, 2GiB")
+        keys = list(ck.optimizer.state_keys) if ck.optimizer else []
+        self.states = widgets.SelectMultiple(options=keys, value=(), description="also states", rows=max(2, len(keys)))
+        self.exclude_frozen = widgets.Checkbox(value=False, description="leave out frozen parameters", indent=False)
+        return [self.format, self.dtype, self.max_shard_size, self.states, self.exclude_frozen]
+
+    def _make_plan(self):
+        return ckptlib.plan_export(self.checkpoint, self.out.value, format=self.format.value, dtype=self.dtype.value,
+                                   max_shard_size=self.max_shard_size.value.strip(), states=tuple(self.states.value),
+                                   exclude_frozen=self.exclude_frozen.value, overwrite=self.overwrite.value)
+
+    def _execute(self, plan, observer, cancel):
+        return ckptlib.export(plan, observer=observer, cancel=cancel)
+
+    def _verify(self, plan, result):
+        return verify_export(plan, result.out)
+
+    def _next_steps(self, result) -> str:
+        if self.format.value == "safetensors":
+            code = ("from safetensors.torch import load_file\n"
+                    f"state_dict = load_file({str(result.out / result.files[0][0])!r})\n"
+                    "model.load_state_dict(state_dict, strict=True)")
+            if len(result.files) > 1:
+                code = ("# sharded: transformers' from_pretrained reads the index, or load each shard\n"
+                        f"# listed in {str(result.out)}/model.safetensors.index.json")
+        else:
+            code = (f"state_dict = torch.load({str(result.out / result.files[0][0])!r}, weights_only=True)\n"
+                    "model.load_state_dict(state_dict, strict=True)")
+        return f"<p>Next:</p><pre>{html.escape(code)}</pre>"
+
+
+class ReshardWizard(_Wizard):
+    """Reshard a ZeRO-1/2/3 checkpoint for another data-parallel size, step by step.
+
+    Args:
+        checkpoint: a :class:`ckptlib.Checkpoint` or a path.
+        out: the output folder (default ``output/reshard`` under the current folder).
+        world_size: the initial target size (default: twice the current one).
+    """
+
+    kind = "reshard"
+
+    def __init__(self, checkpoint, out: Union[str, os.PathLike] = "output/reshard", world_size: Optional[int] = None):
+        self._initial_world = world_size
+        super().__init__(checkpoint, out)
+
+    def _options(self) -> list:
+        ck = self.checkpoint
+        current = ck.partition_count or ck.dp_world_size or 1
+        self.world_size = widgets.BoundedIntText(value=self._initial_world or 2 * current, min=1, max=4096,
+                                                 description="new ranks")
+        self.world_note = widgets.HTML(f"currently {current} data-parallel ranks")
+        return [self.world_size, self.world_note]
+
+    def _make_plan(self):
+        return ckptlib.plan_reshard(self.checkpoint, self.out.value, self.world_size.value,
+                                    overwrite=self.overwrite.value)
+
+    def _execute(self, plan, observer, cancel):
+        return ckptlib.reshard(plan, observer=observer, cancel=cancel)
+
+    def _verify(self, plan, result):
+        return verify_reshard(plan, result.out)
+
+    def _next_steps(self, result) -> str:
+        code = (f"# launch training on {self.world_size.value} data-parallel ranks, then:\n"
+                f"engine.load_checkpoint({str(result.out)!r})")
+        return f"<p>Next:</p><pre>{html.escape(code)}</pre>"
+
+
+__all__ = ["ExportWizard", "ReshardWizard", "Check", "verify_export", "verify_reshard", "checks_html", "free_disk"]

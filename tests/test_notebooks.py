@@ -1,0 +1,89 @@
+"""Every notebook in notebooks/ runs headless (papermill, a real kernel) against ZeRO-1, 2 and 3
+checkpoints made by DeepSpeed, and produces its figures."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pm = pytest.importorskip("papermill", reason="papermill is in the dev extra (bash scripts/setup.sh --dev)")
+nbformat = pytest.importorskip("nbformat")
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOK_DIR = ROOT / "notebooks"
+NOTEBOOKS = sorted(p.stem for p in NOTEBOOK_DIR.glob("*.ipynb"))
+FIXTURES = ["z1_bf16_w3", "z2_fp32_w4", "z3_bf16_w2"]
+
+
+def test_the_suite_is_there():
+    assert NOTEBOOKS == ["00_start_here", "01_browse", "02_partition_layout", "03_export_weights", "04_reshard"]
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS)
+def test_notebook_has_parameters_cell(notebook):
+    nb = json.loads((NOTEBOOK_DIR / f"{notebook}.ipynb").read_text())
+    cells = [c for c in nb["cells"] if "parameters" in c.get("metadata", {}).get("tags", [])]
+    assert len(cells) == 1, "exactly one cell tagged 'parameters'"
+    src = "".join(cells[0]["source"])
+    assert "checkpoint_dir = " in src and "output_dir = " in src
+    assert '"../samples/zero2_bf16_w2/ckpt"' in src
+
+
+def _figure_cells(nb) -> list:
+    """Code cells that draw a figure (their source calls a ``*_figure(`` function)."""
+    return [c for c in nb.cells if c.cell_type == "code" and "_figure(" in c.source
+            and not c.source.lstrip().startswith("from ckptlib.ui import LayoutView")]
+
+
+def _pngs(cell) -> int:
+    return sum(1 for o in cell.get("outputs", []) if "image/png" in o.get("data", {}))
+
+
+def _execute(notebook: str, checkpoint: Path, out_dir: Path, executed: Path) -> None:
+    pm.execute_notebook(str(NOTEBOOK_DIR / f"{notebook}.ipynb"), str(executed),
+                        parameters={"checkpoint_dir": str(checkpoint), "output_dir": str(out_dir)},
+                        kernel_name="python3", cwd=str(NOTEBOOK_DIR), progress_bar=False, log_output=False,
+                        execution_timeout=180, shutdown_kernel="immediate")  # torch makes a graceful exit slow
+
+
+@pytest.fixture(scope="session")
+def executed_notebooks(ds_fixtures, tmp_path_factory) -> dict:
+    """Every notebook run on every fixture, two at a time (each in its own kernel): most of a run is
+    a kernel starting and importing torch, so two overlap well even on two cores."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = {}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for fixture in FIXTURES:
+            if fixture not in ds_fixtures:
+                continue
+            for notebook in NOTEBOOKS:
+                work = tmp_path_factory.mktemp(f"{notebook}-{fixture}")
+                out_dir, executed = work / "output", work / f"{notebook}.ipynb"
+                future = pool.submit(_execute, notebook, ds_fixtures[fixture]["checkpoint_path"], out_dir, executed)
+                jobs[notebook, fixture] = (future, out_dir, executed)
+        return {key: (future.exception(), out_dir, executed) for key, (future, out_dir, executed) in jobs.items()}
+
+
+@pytest.mark.parametrize("fixture", FIXTURES)
+@pytest.mark.parametrize("notebook", NOTEBOOKS)
+def test_notebook_runs_headless(notebook, fixture, fixture_by_name, executed_notebooks):
+    fx = fixture_by_name(fixture)
+    error, out_dir, executed = executed_notebooks[notebook, fixture]
+    if error is not None:
+        raise error
+    nb = nbformat.read(executed, as_version=4)
+    errors = [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors, errors
+    figure_cells = _figure_cells(nb)
+    assert figure_cells, "every notebook draws at least one figure"
+    for c in figure_cells:
+        assert _pngs(c) >= 1, f"no image/png output from:\n{c.source}"
+    # the parameters were used: the checkpoint opened is the fixture
+    text = json.dumps([o for c in nb.cells for o in c.get("outputs", [])])
+    assert str(fx["checkpoint_path"]) in text
+    if notebook == "03_export_weights":
+        assert (out_dir / "export" / "model.safetensors").is_file()
+    if notebook == "04_reshard":
+        assert (out_dir / "reshard" / "latest").is_file()
