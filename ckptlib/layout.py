@@ -20,8 +20,8 @@ ZeRO-3, :class:`Zero3Layout`
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -9,6 +9,7 @@ would be overwritten) is refused.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import shutil
@@ -16,7 +17,7 @@ import uuid
 from pathlib import Path
 from typing import Optional
 
-from .errors import OutputError
+from .errors import CkptError, OutputError
 
 TMP_MARK = ".ckptlib-tmp-"
 LOCK_SUFFIX = ".ckptlib-lock"
@@ -173,3 +174,22 @@ def _fsync_tree(root: Path) -> None:
             finally:
                 os.close(fd)
         _fsync_dir(Path(dirpath))
+
+
+@contextlib.contextmanager
+def reporting_failures(out: Path, observer):
+    """Around the writing of an output: an ``OSError`` (disk full, permissions) becomes one
+    :class:`OutputError` naming ``out``; every failure is reported to ``observer.on_error`` and re-raised."""
+    try:
+        yield
+    except OSError as e:
+        if isinstance(e, CkptError):
+            observer.on_error(e)
+            raise
+        err = OutputError(f"writing the output failed ({e.strerror or e}); nothing was created", path=out,
+                          hint="check free space and permissions of the output location")
+        observer.on_error(err)
+        raise err from e
+    except BaseException as e:
+        observer.on_error(e)
+        raise

@@ -18,7 +18,7 @@ import torch
 
 from ..errors import (CkptError, IncompleteCheckpointError, NotACheckpointError, UnsafeCheckpointError,
                       UnsupportedCheckpointError)
-from ..layout import FlatGroupLayout, Piece, Zero3Layout, chunk_size
+from ..layout import FlatGroupLayout, Piece, Zero3Layout
 from ..streaming import SourceRange
 from ..torchzip import ReadStats, TensorHandle, TorchFile, dtype_name
 from . import files as fnames

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Optional, Sequence, Union
+from typing import Optional, Union
 
 from ..deepspeed import Checkpoint
 from ..progress import Observer

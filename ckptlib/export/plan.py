@@ -15,10 +15,10 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..deepspeed import Checkpoint, open_checkpoint
-from ..errors import CkptError, OutputError
+from ..errors import CkptError
 from ..summary import human_bytes
 from ..streaming import DEFAULT_CHUNK_BYTES
-from ..torchzip import dtype_name, itemsize
+from ..torchzip import itemsize
 
 OUTPUT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FORMATS = ("safetensors", "torch")

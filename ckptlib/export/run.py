@@ -23,12 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-import torch
-
 from ..deepspeed import Checkpoint, open_checkpoint
-from ..errors import CkptError, OutputError
+from ..errors import CkptError
 from ..memory import measure_memory
-from ..output import AtomicOutputDir
+from ..output import AtomicOutputDir, reporting_failures
 from ..progress import Observer, check_cancel
 from ..streaming import ChunkBuffers, WriteSink, copy_ranges
 from ..torchzip.writer import NewTensor
@@ -225,7 +223,7 @@ def run_export(plan: ExportPlan, observer: Optional[Observer] = None,
     read0 = ck.stats.bytes_read
     worker_read = 0
     observer.on_start(plan)
-    try:
+    with reporting_failures(plan.out, observer):
         with AtomicOutputDir(plan.out, source=ck.location.save_dir, overwrite=plan.overwrite) as tmp:
             prepare_files(plan, tmp)
             if plan.workers > 1:
@@ -243,17 +241,6 @@ def run_export(plan: ExportPlan, observer: Optional[Observer] = None,
                     write_unit(ck, plan, tmp, fi, None, bufs, progress, cancel, observer)
             write_indexes(plan, tmp)
             check_cancel(cancel)
-    except OSError as e:
-        err = e if isinstance(e, CkptError) else OutputError(
-            f"writing the output failed ({e.strerror or e}); nothing was created", path=plan.out,
-            hint="check free space and permissions of the output location")
-        observer.on_error(err)
-        if err is e:
-            raise
-        raise err from e
-    except BaseException as e:
-        observer.on_error(e)
-        raise
     result = ExportResult(out=plan.out, files=[(f.name, f.nbytes) for f in plan.files],
                           seconds=time.perf_counter() - t0, bytes_read=ck.stats.bytes_read - read0 + worker_read,
                           bytes_written=plan.write_bytes, plan=plan)

@@ -16,13 +16,12 @@ from typing import Any, Optional, Union
 
 from ..deepspeed import Checkpoint, open_checkpoint
 from ..deepspeed.checkpoint import NO_ZERO
-from ..errors import CkptError, OutputError, UnsupportedCheckpointError
+from ..errors import CkptError, UnsupportedCheckpointError
 from ..memory import measure_memory
-from ..output import AtomicOutputDir
+from ..output import AtomicOutputDir, reporting_failures
 from ..progress import Observer, check_cancel
 from ..streaming import DEFAULT_CHUNK_BYTES, ChunkBuffers
 from ..summary import human_bytes
-from ..torchzip import TensorHandle
 from ..torchzip.writer import NewTensor
 from ..torchzip.writer import save as torch_save
 from .build import StreamContext, Zero3Resharder, Zero12Resharder
@@ -206,7 +205,7 @@ def reshard(checkpoint: Union[Checkpoint, str, os.PathLike, ReshardPlan], out: U
     t0 = time.perf_counter()
     read0 = ck.stats.bytes_read
     observer.on_start(plan)
-    try:
+    with reporting_failures(plan.out, observer):
         with AtomicOutputDir(plan.out, source=ck.location.save_dir, overwrite=plan.overwrite) as tmp:
             (tmp / ck.location.tag).mkdir()
             for f in plan.files:
@@ -218,17 +217,6 @@ def reshard(checkpoint: Union[Checkpoint, str, os.PathLike, ReshardPlan], out: U
                 else:
                     torch_save(f.obj, tmp / f.name, progress=progress, bufs=ctx.bufs)
             (tmp / "latest").write_text(ck.location.tag)
-    except OSError as e:
-        err = e if isinstance(e, CkptError) else OutputError(
-            f"writing the output failed ({e.strerror or e}); nothing was created", path=plan.out,
-            hint="check free space and permissions of the output location")
-        observer.on_error(err)
-        if err is e:
-            raise
-        raise err from e
-    except BaseException as e:
-        observer.on_error(e)
-        raise
     result = ReshardResult(out=plan.out, files=[(f.name, f.write_bytes) for f in plan.files],
                            seconds=time.perf_counter() - t0, bytes_read=ck.stats.bytes_read - read0,
                            bytes_written=plan.write_bytes, plan=plan)

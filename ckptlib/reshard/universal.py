@@ -94,8 +94,8 @@ import torch
 from ..deepspeed import Checkpoint, open_checkpoint
 from ..deepspeed import files as fnames
 from ..deepspeed.checkpoint import NO_ZERO
-from ..errors import CkptError, IncompleteCheckpointError, OutputError, UnsupportedCheckpointError
-from ..output import AtomicOutputDir
+from ..errors import CkptError, IncompleteCheckpointError, UnsupportedCheckpointError
+from ..output import AtomicOutputDir, reporting_failures
 from ..progress import Observer, check_cancel
 from ..streaming import DEFAULT_CHUNK_BYTES, ChunkBuffers
 from ..summary import human_bytes
@@ -404,7 +404,7 @@ def write_universal(plan_or_checkpoint: Union[UniversalPlan, Checkpoint, str, os
     t0 = time.perf_counter()
     read0 = ck.stats.bytes_read
     observer.on_start(plan)
-    try:
+    with reporting_failures(plan.out, observer):
         with AtomicOutputDir(plan.out, source=ck.location.save_dir, overwrite=plan.overwrite) as tmp:
             (tmp / plan.universal_tag / "zero").mkdir(parents=True)
             for f in plan.files:
@@ -418,17 +418,6 @@ def write_universal(plan_or_checkpoint: Union[UniversalPlan, Checkpoint, str, os
                 else:
                     torch_save(f.obj, dst, progress=progress)
             (tmp / LATEST_UNIVERSAL).write_text(plan.universal_tag)
-    except OSError as e:
-        err = e if isinstance(e, CkptError) else OutputError(
-            f"writing the output failed ({e.strerror or e}); nothing was created", path=plan.out,
-            hint="check free space and permissions of the output location")
-        observer.on_error(err)
-        if err is e:
-            raise
-        raise err from e
-    except BaseException as e:
-        observer.on_error(e)
-        raise
     result = UniversalResult(out=plan.out, universal_tag=plan.universal_tag,
                              files=[(f.name, f.write_bytes) for f in plan.files] + [(LATEST_UNIVERSAL, 0)],
                              seconds=time.perf_counter() - t0, bytes_read=ck.stats.bytes_read - read0,

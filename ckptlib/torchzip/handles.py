@@ -7,7 +7,7 @@ reading a piece costs the memory of that piece and no file-backed resident memor
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 import torch

@@ -19,12 +19,12 @@ import os
 import struct
 import zipfile
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import torch
 
 from .handles import StorageRef, TensorHandle
-from .unpickler import FragmentAddress, Standin, ZeroStage, _TensorType
+from .unpickler import FragmentAddress, Standin, ZeroStage
 
 STORAGE_CLASS = {
     torch.float64: "DoubleStorage", torch.float32: "FloatStorage", torch.float16: "HalfStorage",
