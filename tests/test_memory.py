@@ -39,12 +39,27 @@ def test_process_memory_reads_proc_status(tmp_path, monkeypatch):
                                              hwm=900 * 1024)
 
 
+def _fresh(code: str) -> None:
+    """Run ``code`` in a new interpreter: in a long test session the allocator reuses resident free
+    memory, so "RSS grows by what is allocated" only holds in a fresh process."""
+    import subprocess
+    import sys
+    import textwrap
+
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
 def test_anonymous_memory_grows_with_an_allocation():
-    before = process_memory().anon
-    block = torch.ones(64 * MIB // 4)  # touched: resident
-    after = process_memory().anon
-    assert after - before > 48 * MIB
-    del block
+    _fresh("""
+        import torch
+        from ckptlib.memory import process_memory
+        MIB = 2**20
+        before = process_memory().anon
+        block = torch.ones(64 * MIB // 4)  # touched: resident
+        after = process_memory().anon
+        assert after - before > 48 * MIB, (before, after)
+    """)
 
 
 @pytest.mark.parametrize("files, want", [
@@ -119,23 +134,32 @@ def test_sampler_thread_samples_and_stops():
 
 
 def test_watch_memory_reports_the_peak_of_the_block():
-    with watch_memory(interval=0.02) as w:
-        block = torch.ones(96 * MIB // 4)
-        time.sleep(0.15)
-        del block
-        time.sleep(0.1)
-    r = w.report
-    assert isinstance(r, MemoryReport)
-    assert r.peak_added > 80 * MIB, r          # seen by the sampler thread although freed before the end
-    assert r.samples >= 5 and r.seconds >= 0.25
-    assert "peak memory" in r.describe()
+    _fresh("""
+        import time, torch
+        from ckptlib.memory import MemoryReport, watch_memory
+        MIB = 2**20
+        with watch_memory(interval=0.02) as w:
+            block = torch.ones(96 * MIB // 4)
+            time.sleep(0.15)
+            del block
+            time.sleep(0.1)
+        r = w.report
+        assert isinstance(r, MemoryReport)
+        assert r.peak_added > 80 * MIB, r          # seen by the sampler thread although freed before the end
+        assert r.samples >= 5 and r.seconds >= 0.25
+        assert "peak memory" in r.describe()
+    """)
 
 
 def test_watch_memory_catches_a_peak_between_samples_at_the_end():
-    with watch_memory(interval=10) as w:  # the thread never gets a second sample: the end sample counts
-        block = torch.ones(64 * MIB // 4)
-    assert w.report.peak_added > 48 * MIB
-    del block
+    _fresh("""
+        import torch
+        from ckptlib.memory import watch_memory
+        MIB = 2**20
+        with watch_memory(interval=10) as w:  # the thread never gets a second sample: the end sample counts
+            block = torch.ones(64 * MIB // 4)
+        assert w.report.peak_added > 48 * MIB
+    """)
 
 
 # ------------------------------------------------------------------------------------------ export / reshard
