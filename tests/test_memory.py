@@ -9,12 +9,11 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 import ckptlib
 from ckptlib import memory as mem
 from ckptlib.memory import (MemoryReport, MemorySampler, ProcessMemory, SystemMemory, cgroup_memory, memory_verdict,
-                            plot_memory, process_memory, system_memory, watch_memory)
+                            plot_memory, process_memory, system_memory)
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "samples" / "zero2_bf16_w2" / "ckpt"
