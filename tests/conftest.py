@@ -63,3 +63,26 @@ def only_fixtures(predicate):
         fn.fixture_filter = predicate
         return fn
     return deco
+
+
+# ----------------------------------------------------------------------------------------------- exit
+# Native threads that torch, gloo and the browser/Jupyter stack leave behind can make the interpreter abort
+# while it tears down ("terminate called without an active exception", exit 134) after every test passed and
+# pytest printed its summary; seen once in a full CI-clone run. The suite's verdict is pytest's exit status, so
+# once pytest is completely done we leave without the interpreter teardown. CKPTLIB_HARD_EXIT=0 turns it off.
+_EXIT_STATUS = None
+
+
+def pytest_sessionfinish(session, exitstatus):
+    global _EXIT_STATUS
+    _EXIT_STATUS = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    if _EXIT_STATUS is not None and os.environ.get("CKPTLIB_HARD_EXIT", "1") == "1":
+        import sys
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_EXIT_STATUS)
