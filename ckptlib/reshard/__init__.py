@@ -24,10 +24,7 @@ from ..streaming import DEFAULT_CHUNK_BYTES, ChunkBuffers
 from ..summary import human_bytes
 from ..torchzip.writer import NewTensor
 from ..torchzip.writer import save as torch_save
-from .build import StreamContext, Zero3Resharder, Zero12Resharder
-
-FIXED_OVERHEAD_BYTES = 8 * 2**20
-
+from .build import PlanTotals, StreamContext, Zero3Resharder, Zero12Resharder
 
 @dataclass
 class TargetFile:
@@ -44,7 +41,7 @@ class TargetFile:
 
 
 @dataclass
-class ReshardPlan:
+class ReshardPlan(PlanTotals):
     """What a reshard will write, computed from metadata. See :func:`plan_reshard`."""
 
     checkpoint: Checkpoint
@@ -56,17 +53,6 @@ class ReshardPlan:
     notes: list = field(default_factory=list)
     _ctx: Any = field(default=None, repr=False)
 
-    @property
-    def read_bytes(self) -> int:
-        return sum(f.read_bytes for f in self.files)
-
-    @property
-    def write_bytes(self) -> int:
-        return sum(f.write_bytes for f in self.files)
-
-    @property
-    def predicted_peak_bytes(self) -> int:
-        return 3 * self.chunk_bytes + FIXED_OVERHEAD_BYTES
 
     def feeds(self) -> dict:
         """``{target rank: [source ranks whose bytes it reads]}``."""

@@ -24,6 +24,24 @@ from ..torchzip import FragmentAddress, TensorHandle
 from ..torchzip.writer import NewTensor
 
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's default zero_optimization.sub_group_size
+FIXED_OVERHEAD_BYTES = 8 * 2**20
+
+
+class PlanTotals:
+    """Totals shared by the reshard and universal plans (``files`` with read/write bytes, ``chunk_bytes``)."""
+
+    @property
+    def read_bytes(self) -> int:
+        return sum(f.read_bytes for f in self.files)
+
+    @property
+    def write_bytes(self) -> int:
+        return sum(f.write_bytes for f in self.files)
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        """The streaming buffers (two read-ahead, one cast; storage copies use the same) plus a fixed allowance."""
+        return 3 * self.chunk_bytes + FIXED_OVERHEAD_BYTES
 
 
 @dataclass

@@ -100,10 +100,9 @@ from ..progress import Observer, check_cancel
 from ..streaming import DEFAULT_CHUNK_BYTES, ChunkBuffers
 from ..summary import human_bytes
 from ..torchzip import TensorHandle
-from ..torchzip.writer import COPY_BYTES
 from ..torchzip.writer import save as torch_save
-from . import FIXED_OVERHEAD_BYTES, TargetFile, _tree_bytes
-from .build import StreamContext, _replace, copied, streamed
+from . import TargetFile, _tree_bytes
+from .build import PlanTotals, StreamContext, _replace, copied, streamed
 
 UNIVERSAL_SUFFIX = "_universal"
 LATEST_UNIVERSAL = "latest_universal"
@@ -112,7 +111,7 @@ _ZERO12_PARTITIONED = ("base_optimizer_state", "param_slice_mappings", "single_p
 
 
 @dataclass
-class UniversalPlan:
+class UniversalPlan(PlanTotals):
     """What :func:`write_universal` will write, computed from metadata. See :func:`plan_universal`."""
 
     checkpoint: Checkpoint
@@ -124,17 +123,6 @@ class UniversalPlan:
     notes: list = field(default_factory=list)
     _ctx: Any = field(default=None, repr=False)
 
-    @property
-    def read_bytes(self) -> int:
-        return sum(f.read_bytes for f in self.files)
-
-    @property
-    def write_bytes(self) -> int:
-        return sum(f.write_bytes for f in self.files)
-
-    @property
-    def predicted_peak_bytes(self) -> int:
-        return 2 * self.chunk_bytes + COPY_BYTES + FIXED_OVERHEAD_BYTES
 
     def to_dict(self) -> dict:
         ck = self.checkpoint
@@ -416,7 +404,7 @@ def write_universal(plan_or_checkpoint: Union[UniversalPlan, Checkpoint, str, os
                     shutil.copy2(f.source, dst)
                     progress(f.write_bytes)
                 else:
-                    torch_save(f.obj, dst, progress=progress)
+                    torch_save(f.obj, dst, progress=progress, bufs=ctx.bufs)
             (tmp / LATEST_UNIVERSAL).write_text(plan.universal_tag)
     result = UniversalResult(out=plan.out, universal_tag=plan.universal_tag,
                              files=[(f.name, f.write_bytes) for f in plan.files] + [(LATEST_UNIVERSAL, 0)],
