@@ -55,12 +55,13 @@ def _cmd_reshard(args: argparse.Namespace) -> int:
     if args.universal:
         from .reshard.universal import plan_universal, write_universal
 
-        plan = plan_universal(args.path, args.out, tag=args.tag, overwrite=args.overwrite)
+        plan = plan_universal(args.path, args.out, tag=args.tag, overwrite=args.overwrite, workers=args.workers)
         run = write_universal
     else:
         if args.world_size is None:
             raise CkptError("--world-size is required (or --universal for a size-independent checkpoint)")
-        plan = plan_reshard(args.path, args.out, args.world_size, tag=args.tag, overwrite=args.overwrite)
+        plan = plan_reshard(args.path, args.out, args.world_size, tag=args.tag, overwrite=args.overwrite,
+                            workers=args.workers)
         run = reshard
     if args.plan:
         print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.describe())
@@ -112,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "bytes and memory; write nothing")
     p.add_argument("--json", action="store_true", help="with --plan: print the plan as JSON")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    p.add_argument("--workers", type=int, default=None,
+                   help="files written at a time, each thread with its own 48 MiB of buffers "
+                        "(default: 2 with 2+ cores)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_reshard)
     return parser

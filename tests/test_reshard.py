@@ -195,7 +195,10 @@ def test_plan_shows_feeds_and_memory_without_reading(fixture_by_name, tmp_path):
         assert ck.stats.bytes_read == before and not (tmp_path / "out").exists()
         assert plan.feeds() == {0: [0, 1], 1: [1, 2], 2: [2, 3]}
         d = plan.to_dict()
-        assert d["from_world_size"] == 4 and d["to_world_size"] == 3 and d["predicted_peak_bytes"] < 64 * 2**20
+        assert d["from_world_size"] == 4 and d["to_world_size"] == 3
+        # three streaming buffers per writing thread, whatever the model size
+        assert d["predicted_peak_bytes"] < plan.workers * 3 * plan.chunk_bytes + 16 * 2**20
+        assert plan_reshard(ck, tmp_path / "out", 3, workers=1).predicted_peak_bytes < 64 * 2**20
         assert "0 <- 0, 1" in plan.describe()
 
 
@@ -205,3 +208,54 @@ def test_refusals(fixture_by_name, tmp_path):
     src = fixture_by_name("z2_bf16_w2")["checkpoint_path"]
     with pytest.raises(ckptlib.OutputError, match="inside the source"):
         reshard(src, src / "inner", 3)
+
+
+@pytest.mark.parametrize("name,m", [("z2_bf16_w4", 3), ("z3_fp32_w3", 2)])
+def test_parallel_writers_write_the_same_bytes_as_one(fixture_by_name, tmp_path, name, m):
+    src = fixture_by_name(name)["checkpoint_path"]
+    one = reshard(plan_reshard(src, tmp_path / "one", m, workers=1, chunk_bytes=4096))
+    three = reshard(plan_reshard(src, tmp_path / "three", m, workers=3))
+    assert one.plan.workers == 1 and three.plan.workers == 3
+    names = sorted(p.relative_to(tmp_path / "one") for p in (tmp_path / "one").rglob("*") if p.is_file())
+    assert names == sorted(p.relative_to(tmp_path / "three") for p in (tmp_path / "three").rglob("*") if p.is_file())
+    for n in names:
+        assert (tmp_path / "one" / n).read_bytes() == (tmp_path / "three" / n).read_bytes(), n
+
+
+class _Boom(RuntimeError):
+    pass
+
+
+def test_a_failing_writer_thread_stops_the_others_and_leaves_nothing(fixture_by_name, tmp_path):
+    import threading
+
+    src = fixture_by_name("z2_fp32_w4")["checkpoint_path"]
+    plan = plan_reshard(src, tmp_path / "out", 2, workers=2, chunk_bytes=256)
+    started = []
+
+    def boom(write):
+        started.append(threading.current_thread().name)
+        raise _Boom("disk on fire")
+
+    victim = next(f for f in plan.files if f.kind == "optim_states" and f.rank == 1)
+    victim.obj["optimizer_state_dict"]["single_partition_of_fp32_groups"][0].producer = boom
+    with pytest.raises(_Boom, match="disk on fire"):
+        reshard(plan)
+    assert started and not (tmp_path / "out").exists()
+    assert [p.name for p in tmp_path.iterdir()] == []  # no temporary folder, no lock
+    assert not [t for t in threading.enumerate() if t.name.startswith("ckptlib-write")]
+
+
+def test_cancel_with_parallel_writers(fixture_by_name, tmp_path):
+    import threading
+
+    src = fixture_by_name("z3_bf16_w4")["checkpoint_path"]
+    cancel = threading.Event()
+
+    class CancelOnFirstBytes(ckptlib.Observer):
+        def on_bytes(self, done, total):
+            cancel.set()
+
+    with pytest.raises(ckptlib.Cancelled):
+        reshard(src, tmp_path / "out", 3, workers=2, chunk_bytes=256, observer=CancelOnFirstBytes(), cancel=cancel)
+    assert [p.name for p in tmp_path.iterdir()] == []

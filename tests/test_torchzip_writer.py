@@ -69,3 +69,107 @@ def test_new_tensors_load_with_weights_only_and_mmap(tmp_path):
     for mmap in (False, True):
         sd = torch.load(tmp_path / "o.bin", weights_only=True, mmap=mmap)
         assert list(sd) == list(ts) and all(torch.equal(sd[k], v) for k, v in ts.items())
+
+
+# ---------------------------------------------------------------- the zip container written without zipfile
+import collections  # noqa: E402
+import os  # noqa: E402
+import zipfile  # noqa: E402
+import zlib  # noqa: E402
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from ckptlib.streaming import WriteBehind  # noqa: E402
+from ckptlib.torchzip.zipfmt import crc32_combine  # noqa: E402
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=300), st.binary(max_size=300), st.integers(0, 2**40))
+def test_crc32_combine_matches_zlib(a, b, zeros):
+    assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+    # lengths far beyond memory: combining with a run of zero bytes (crc32 of n zeros, built by doubling)
+    if zeros < 2**20:
+        z = bytes(zeros)
+        assert crc32_combine(zlib.crc32(a), zlib.crc32(z), zeros) == zlib.crc32(a + z)
+
+
+def test_crc32_combine_of_huge_lengths_is_consistent():
+    # (A + Z1) + Z2 == A + (Z1 + Z2) for runs of zeros longer than 2**32 bytes (needs x^(2^k), k >= 32)
+    a, n1, n2 = zlib.crc32(b"abc"), 3 * 2**31 + 5, 2**33 + 7
+    zero_crc = {}
+
+    def zeros(n):  # crc32 of n zero bytes, by doubling
+        if n not in zero_crc:
+            if n == 0:
+                zero_crc[n] = 0
+            elif n == 1:
+                zero_crc[n] = zlib.crc32(b"\0")
+            else:
+                h = n // 2
+                zero_crc[n] = crc32_combine(crc32_combine(zeros(h), zeros(h), h), zeros(n - 2 * h), n - 2 * h)
+        return zero_crc[n]
+
+    left = crc32_combine(crc32_combine(a, zeros(n1), n1), zeros(n2), n2)
+    right = crc32_combine(a, crc32_combine(zeros(n1), zeros(n2), n2), n1 + n2)
+    assert left == right
+    assert zeros(2**20) == zlib.crc32(bytes(2**20))
+
+
+def _members_ok(path):
+    """Python's zipfile re-reads every member and checks its CRC-32; data offsets are 64-byte aligned."""
+    with zipfile.ZipFile(path) as z:
+        assert z.testzip() is None
+        return {i.filename: (i.file_size, i.CRC) for i in z.infolist()}
+
+
+@pytest.mark.parametrize("zip64_limit", [0xFFFFFFFF, 1, 300])
+def test_zip64_fields_read_by_torch_zipfile_and_ckptlib(tmp_path, zip64_limit):
+    ts = collections.OrderedDict(a=torch.randn(100), b=torch.arange(50, dtype=torch.int64), c=torch.randn(7).half())
+    obj = {"t": collections.OrderedDict((k, NewTensor.from_tensor(v)) for k, v in ts.items()), "n": [1, "x"]}
+    save(obj, tmp_path / "z.pt", zip64_limit=zip64_limit)
+    members = _members_ok(tmp_path / "z.pt")
+    assert len(members) == 3 + 6  # data.pkl, .format_version, .storage_alignment, byteorder, version, serialization id
+    for mmap in (False, True):
+        back = torch.load(tmp_path / "z.pt", weights_only=True, mmap=mmap)
+        assert back["n"] == [1, "x"] and all(torch.equal(back["t"][k], v) for k, v in ts.items())
+    f = open_torch_file(tmp_path / "z.pt")
+    for k, v in ts.items():
+        h = f.obj["t"][k]
+        assert h.storage.data_offset % 64 == 0
+        assert torch.equal(h.read_flat(0, h.numel, torch.empty(h.numel, dtype=h.dtype)), v)
+
+
+def test_storage_copies_keep_the_source_crc_and_equal_the_streamed_copy(ds_fixtures, tmp_path):
+    path = sorted(glob.glob(str(ds_fixtures["z2_bf16_w2"]["path"] / "*" / "*" / "*model_states.pt")))[0]
+    f = open_torch_file(path)
+    save(f.obj, tmp_path / "kernel.pt", archive="a")  # storages copied inside the kernel, CRC from the source
+    refs = list(f.storages.values())
+    assert refs and all(r.stored_crc is not None for r in refs)
+    for r in refs:
+        r.stored_crc = None  # no recorded CRC: streamed through the buffers, CRC computed
+    save(f.obj, tmp_path / "streamed.pt", archive="a")
+    assert (tmp_path / "kernel.pt").read_bytes() == (tmp_path / "streamed.pt").read_bytes()
+    src_crcs = {n.split("/", 1)[1]: v for n, v in _members_ok(path).items() if "/data/" in n}
+    out_crcs = {n.split("/", 1)[1]: v for n, v in _members_ok(tmp_path / "kernel.pt").items() if "/data/" in n}
+    assert sorted(v for v in src_crcs.values()) == sorted(v for v in out_crcs.values())
+
+
+def test_a_producer_writing_the_wrong_amount_is_an_error(tmp_path):
+    short = NewTensor(torch.float32, (4,), lambda write: write(memoryview(bytes(12))))
+    with pytest.raises(ValueError, match="wrote 12 bytes instead of 16"):
+        save({"x": short}, tmp_path / "bad.pt")
+
+
+@pytest.mark.parametrize("window,lag", [(1, 0), (100, 1), (16 * 2**20, 2)])
+def test_write_behind_keeps_every_byte(tmp_path, window, lag):
+    data = os.urandom(300_000)
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+    wb = WriteBehind(fd, window=window, lag=lag)
+    pieces = [(0, 1000), (1000, 50_000), (200_000, 100_000), (51_000, 149_000)]  # out of order too
+    for off, n in pieces:
+        os.pwrite(fd, data[off:off + n], off)
+        wb.wrote(off, n)
+    wb.close()
+    os.close(fd)
+    assert (tmp_path / "f").read_bytes() == data

@@ -2,7 +2,7 @@
 
 :class:`SafetensorsLayout` computes the header from the plan, so every tensor's byte range in the file
 is known before any data is written; writers (also several processes at once) ``pwrite`` the chunks
-at their offsets through :class:`PwriteSink`, or copy them file to file in the kernel.
+at their offsets through :class:`~ckptlib.streaming.PwriteSink`, or copy them file to file in the kernel.
 """
 from __future__ import annotations
 
@@ -65,38 +65,3 @@ class SafetensorsLayout:
 
     def tensor_offset(self, name: str) -> int:
         return self.data_start + self.offsets[name][0]
-
-
-class PwriteSink:
-    """Writes consecutive chunks at a moving offset of an open file (``os.pwrite``).
-
-    :meth:`copy_from` copies bytes straight from another file inside the kernel
-    (``copy_file_range``: no user-space buffer at all), falling back to ``pread``/``pwrite``.
-    """
-
-    COPY_STEP = 64 * 2**20
-
-    def __init__(self, fd: int, offset: int):
-        self.fd, self.offset = fd, offset
-
-    def write(self, data: memoryview) -> None:
-        done = 0
-        while done < len(data):
-            done += os.pwrite(self.fd, data[done:], self.offset + done)
-        self.offset += len(data)
-
-    def copy_from(self, src_fd: int, src_offset: int, nbytes: int) -> None:
-        done = 0
-        while done < nbytes:
-            n = min(self.COPY_STEP, nbytes - done)
-            try:
-                k = os.copy_file_range(src_fd, self.fd, n, src_offset + done, self.offset + done)
-            except OSError:  # not supported between these files: copy through a small buffer
-                k = 0
-            if k <= 0:
-                data = os.pread(src_fd, min(n, 2**20), src_offset + done)
-                if not data:
-                    raise OSError(f"unexpected end of file copying {nbytes} bytes")
-                k = os.pwrite(self.fd, data, self.offset + done)
-            done += k
-        self.offset += nbytes

@@ -28,10 +28,10 @@ from ..errors import CkptError
 from ..memory import measure_memory
 from ..output import AtomicOutputDir, reporting_failures
 from ..progress import Observer, check_cancel
-from ..streaming import ChunkBuffers, WriteSink, copy_ranges
+from ..streaming import ChunkBuffers, PwriteSink, WriteBehind, as_sink, copy_ranges
 from ..torchzip.writer import NewTensor
 from ..torchzip.writer import save as torch_save
-from .formats import PwriteSink, SafetensorsLayout, TensorSpec
+from .formats import SafetensorsLayout, TensorSpec
 from .plan import ExportPlan, PlannedFile, PlannedTensor
 
 
@@ -87,12 +87,14 @@ def write_unit(ck: Checkpoint, plan: ExportPlan, tmp: Path, file_index: int, ten
         layout = SafetensorsLayout(_specs(f), _st_metadata(plan, f))
         fd = os.open(path, os.O_WRONLY)
         try:
+            behind = WriteBehind(fd)  # written bytes go on to disk and leave the page cache as we go
             for i in (tensor_indices if tensor_indices is not None else range(len(f.tensors))):
                 t = f.tensors[i]
                 if observer:
                     observer.on_tensor(t.name)
-                sink = PwriteSink(fd, layout.tensor_offset(t.name))
+                sink = PwriteSink(fd, layout.tensor_offset(t.name), behind=behind)
                 stream_tensor(ck, t, sink, bufs, progress, cancel)
+            behind.close()
         finally:
             os.close(fd)
     else:  # a torch zip file: one storage per tensor, each streamed in when the writer reaches it
@@ -100,7 +102,7 @@ def write_unit(ck: Checkpoint, plan: ExportPlan, tmp: Path, file_index: int, ten
             def produce(write):
                 if observer:
                     observer.on_tensor(t.name)
-                stream_tensor(ck, t, WriteSink(write), bufs, progress, cancel)
+                stream_tensor(ck, t, as_sink(write), bufs, progress, cancel)
             return produce
 
         torch_save(collections.OrderedDict((t.name, NewTensor(t.dtype, t.shape, producer(t))) for t in f.tensors),

@@ -10,7 +10,7 @@ client state) is carried over as it is.
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass
+import threading
 from typing import Any, Callable, Optional
 
 import torch
@@ -19,7 +19,7 @@ from ..deepspeed.checkpoint import BF16_OPTIMIZER, Checkpoint, SourceRange
 from ..errors import UnsupportedCheckpointError
 from ..layout import (FlatGroupLayout, Piece, Zero3Layout, Zeros, chunk_size, reslice_by_params, reslice_flat,
                       reslice_zero3, round_robin_order, zero3_sub_groups)
-from ..streaming import ChunkBuffers, WriteSink, copy_ranges, slice_ranges
+from ..streaming import DEFAULT_CHUNK_BYTES, ChunkBuffers, as_sink, copy_ranges, slice_ranges
 from ..torchzip import FragmentAddress, TensorHandle
 from ..torchzip.writer import NewTensor
 
@@ -40,23 +40,45 @@ class PlanTotals:
 
     @property
     def predicted_peak_bytes(self) -> int:
-        """The streaming buffers (two read-ahead, one cast; storage copies use the same) plus a fixed allowance."""
-        return 3 * self.chunk_bytes + FIXED_OVERHEAD_BYTES
+        """The streaming buffers (two read-ahead, one cast; storage copies use the same) of each writing
+        thread, plus a fixed allowance."""
+        return getattr(self, "workers", 1) * 3 * self.chunk_bytes + FIXED_OVERHEAD_BYTES
 
 
-@dataclass
 class StreamContext:
-    """What producers need while writing: buffers, progress and cancellation."""
+    """What producers need while writing: buffers (one set per writing thread, made on first use),
+    progress and cancellation."""
 
-    bufs: ChunkBuffers
-    progress: Callable[[int], None] = lambda n: None
-    cancel: Any = None
+    def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+        self.chunk_bytes = chunk_bytes
+        self.progress: Callable[[int], None] = lambda n: None
+        self.cancel: Any = None
+        self._local = threading.local()
+        self._made: list[ChunkBuffers] = []
+        self._lock = threading.Lock()
+
+    @property
+    def bufs(self) -> ChunkBuffers:
+        b = getattr(self._local, "bufs", None)
+        if b is None:
+            b = self._local.bufs = ChunkBuffers(self.chunk_bytes)
+            with self._lock:
+                self._made.append(b)
+        return b
+
+    def close(self) -> None:
+        """Release every thread's buffers (a later run makes new ones)."""
+        with self._lock:
+            made, self._made = self._made, []
+        for b in made:
+            b.close()
+        self._local = threading.local()
 
 
 def streamed(dtype: torch.dtype, ranges: list, ctx: StreamContext, requires_grad: bool = False) -> NewTensor:
     """A new 1-D tensor made of ``ranges`` (source ranges and zeros), streamed when written."""
     n = sum(r.count for r in ranges)
-    t = NewTensor(dtype, (n,), lambda write: copy_ranges(ranges, dtype, WriteSink(write), ctx.bufs, ctx.progress,
+    t = NewTensor(dtype, (n,), lambda write: copy_ranges(ranges, dtype, as_sink(write), ctx.bufs, ctx.progress,
                                                          ctx.cancel), requires_grad)
     t.read_bytes = sum(r.count * r.handle.itemsize for r in ranges if not isinstance(r, Zeros))
     t.sources = sorted({r.handle.path for r in ranges if not isinstance(r, Zeros)})
@@ -66,7 +88,7 @@ def streamed(dtype: torch.dtype, ranges: list, ctx: StreamContext, requires_grad
 def copied(h: TensorHandle, ctx: StreamContext) -> NewTensor:
     """A copy of a stored tensor with a storage of its own (so that no two target tensors share one)."""
     t = NewTensor(h.dtype, tuple(h.shape), lambda write: copy_ranges([SourceRange(h, 0, h.numel)], h.dtype,
-                                                                     WriteSink(write), ctx.bufs), h.requires_grad)
+                                                                     as_sink(write), ctx.bufs), h.requires_grad)
     t.read_bytes = h.nbytes
     return t
 

@@ -82,7 +82,6 @@ files, cut the same wrong way at save, happen to load right at the saving size o
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -96,13 +95,13 @@ from ..deepspeed import files as fnames
 from ..deepspeed.checkpoint import NO_ZERO
 from ..errors import CkptError, IncompleteCheckpointError, UnsupportedCheckpointError
 from ..output import AtomicOutputDir, reporting_failures
-from ..progress import Observer, check_cancel
-from ..streaming import DEFAULT_CHUNK_BYTES, ChunkBuffers
+from ..progress import Observer
+from ..streaming import DEFAULT_CHUNK_BYTES
 from ..summary import human_bytes
 from ..torchzip import TensorHandle
-from ..torchzip.writer import save as torch_save
-from . import TargetFile, _tree_bytes
+from . import TargetFile, _progress_to, _tree_bytes
 from .build import PlanTotals, StreamContext, _replace, copied, streamed
+from .write import default_workers, write_target_files
 
 UNIVERSAL_SUFFIX = "_universal"
 LATEST_UNIVERSAL = "latest_universal"
@@ -121,8 +120,8 @@ class UniversalPlan(PlanTotals):
     chunk_bytes: int
     overwrite: bool
     notes: list = field(default_factory=list)
+    workers: int = 1
     _ctx: Any = field(default=None, repr=False)
-
 
     def to_dict(self) -> dict:
         ck = self.checkpoint
@@ -146,8 +145,8 @@ class UniversalPlan(PlanTotals):
                  f"reads {human_bytes(self.read_bytes)} of {human_bytes(ck.total_bytes)}; writes "
                  f"{human_bytes(self.write_bytes)} in {len(self.files) + 1} files ({params} parameters); "
                  "no temporary files",
-                 f"predicted peak memory: {human_bytes(self.predicted_peak_bytes)} (streaming buffers; "
-                 "independent of the model size)"]
+                 f"predicted peak memory: {human_bytes(self.predicted_peak_bytes)} ({self.workers} writing "
+                 "thread(s), 3 streaming buffers each; independent of the model size)"]
         for f in self.files:
             if f.kind != "param_state":
                 lines.append(f"  {f.name:<60} {human_bytes(f.write_bytes):>10}")
@@ -274,7 +273,7 @@ class _Source:
 
 def plan_universal(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str, os.PathLike], *,
                    tag: Optional[str] = None, overwrite: bool = False,
-                   chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> UniversalPlan:
+                   chunk_bytes: int = DEFAULT_CHUNK_BYTES, workers: Optional[int] = None) -> UniversalPlan:
     """Plan writing the universal checkpoint of a ZeRO-1/2/3 (or BF16_Optimizer) checkpoint (metadata only).
 
     ``out`` is a new folder that DeepSpeed loads with ``engine.load_checkpoint(out)`` and
@@ -289,7 +288,7 @@ def plan_universal(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[s
             "ZeRO stages 1-3", path=ck.location.tag_dir,
             hint="DeepSpeed loads a stage-0 checkpoint at any size as it is")
     src = _Source(ck)
-    ctx = StreamContext(bufs=None)
+    ctx = StreamContext(chunk_bytes)
     utag = f"{ck.location.tag}{UNIVERSAL_SUFFIX}"
     optimizer_state = src.optimizer_state(ctx)
     notes = list(src.notes)
@@ -351,7 +350,8 @@ def plan_universal(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[s
     if skipped:
         notes.append(f"not carried over (the universal loader does not read them): {', '.join(skipped)}")
     return UniversalPlan(checkpoint=ck, out=Path(out).expanduser().resolve(), universal_tag=utag, files=files,
-                         chunk_bytes=chunk_bytes, overwrite=overwrite, notes=notes, _ctx=ctx)
+                         chunk_bytes=chunk_bytes, overwrite=overwrite, notes=notes,
+                         workers=workers or default_workers(), _ctx=ctx)
 
 
 def _as_fp32(ranges: list, shape: tuple, ctx: StreamContext) -> Any:
@@ -366,9 +366,9 @@ def write_universal(plan_or_checkpoint: Union[UniversalPlan, Checkpoint, str, os
                     cancel: Optional[threading.Event] = None, **options) -> UniversalResult:
     """Write the universal checkpoint (``latest_universal`` and ``<tag>_universal/``) into ``out``.
 
-    Every tensor is streamed from the source ranges that make it through two buffers of
-    ``chunk_bytes``; nothing is written but the final files. Memory: ``plan.predicted_peak_bytes``
-    (about 48 MiB by default) whatever the model size. The output appears atomically; the source is
+    Every tensor is streamed from the source ranges that make it through buffers of ``chunk_bytes``
+    (three per writing thread, ``plan.workers`` threads); nothing is written but the final files.
+    Memory: ``plan.predicted_peak_bytes`` (about 104 MiB with the defaults) whatever the model size. The output appears atomically; the source is
     only read. ``options`` go to :func:`plan_universal` when a checkpoint (or path) is given.
     """
     if isinstance(plan_or_checkpoint, UniversalPlan):
@@ -380,31 +380,15 @@ def write_universal(plan_or_checkpoint: Union[UniversalPlan, Checkpoint, str, os
     observer = observer or Observer()
     ck = plan.checkpoint
     ctx = plan._ctx
-    ctx.bufs = ChunkBuffers(plan.chunk_bytes)
-    ctx.cancel = cancel
-    done = [0]
-
-    def progress(n):
-        done[0] += n
-        observer.on_bytes(done[0], plan.write_bytes)
-
-    ctx.progress = progress
+    ctx.chunk_bytes = plan.chunk_bytes
+    ctx.progress = _progress_to(observer, plan.write_bytes)
     t0 = time.perf_counter()
     read0 = ck.stats.bytes_read
     observer.on_start(plan)
     with reporting_failures(plan.out, observer):
         with AtomicOutputDir(plan.out, source=ck.location.save_dir, overwrite=plan.overwrite) as tmp:
             (tmp / plan.universal_tag / "zero").mkdir(parents=True)
-            for f in plan.files:
-                check_cancel(cancel)
-                observer.on_file(f.name)
-                dst = tmp / f.name
-                dst.parent.mkdir(exist_ok=True)
-                if f.kind == "copy":
-                    shutil.copy2(f.source, dst)
-                    progress(f.write_bytes)
-                else:
-                    torch_save(f.obj, dst, progress=progress, bufs=ctx.bufs)
+            write_target_files(plan.files, tmp, ctx, observer, plan.workers, cancel)
             (tmp / LATEST_UNIVERSAL).write_text(plan.universal_tag)
     result = UniversalResult(out=plan.out, universal_tag=plan.universal_tag,
                              files=[(f.name, f.write_bytes) for f in plan.files] + [(LATEST_UNIVERSAL, 0)],

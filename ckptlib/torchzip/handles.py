@@ -59,6 +59,7 @@ class StorageRef:
     numel: int
     data_offset: int  # absolute byte offset of element 0 in the file
     stored_bytes: int  # size of the zip member
+    stored_crc: Optional[int] = None  # the CRC-32 the zip directory records for the member
 
     @property
     def nbytes(self) -> int:

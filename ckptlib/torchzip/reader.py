@@ -210,7 +210,7 @@ class TorchFile:
                 f"the file is truncated: storage {key} ends at byte {offset + info.file_size}, "
                 f"the file has {self.size}", path=self.path, hint="copy the file again or use another tag")
         ref = StorageRef(file=self, key=key, dtype=dtype, numel=numel, data_offset=offset,
-                         stored_bytes=info.file_size)
+                         stored_bytes=info.file_size, stored_crc=info.CRC)
         self._storages[key] = ref
         return ref
 

@@ -17,7 +17,7 @@ import collections
 import math
 import os
 import struct
-import zipfile
+import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -25,6 +25,7 @@ import torch
 
 from .handles import StorageRef, TensorHandle
 from .unpickler import FragmentAddress, Standin, ZeroStage
+from .zipfmt import ALIGN, ZIP64_LIMIT, layout_records, local_header, central_directory
 
 STORAGE_CLASS = {
     torch.float64: "DoubleStorage", torch.float32: "FloatStorage", torch.float16: "HalfStorage",
@@ -33,14 +34,15 @@ STORAGE_CLASS = {
     torch.complex64: "ComplexFloatStorage", torch.complex128: "ComplexDoubleStorage",
 }
 COPY_BYTES = 8 * 2**20
-ALIGN = 64
 
 
 @dataclass(eq=False)
 class NewTensor:
     """A contiguous tensor to be written, whose bytes ``producer(write)`` streams in order.
 
-    ``producer`` is called with a ``write(memoryview)`` function and must write exactly ``nbytes``.
+    ``producer`` is called with a sink, callable as ``write(memoryview)`` (and with
+:meth:`~ckptlib.streaming.PwriteSink.write` taking a precomputed CRC-32), and must write exactly
+``nbytes``.
     """
 
     dtype: torch.dtype
@@ -207,12 +209,24 @@ def _walk_tensors(obj: Any, out: list) -> None:
 
 
 def save(obj: Any, path: str | os.PathLike, archive: Optional[str] = None,
-         progress: Callable[[int], None] = lambda n: None, bufs=None) -> int:
+         progress: Callable[[int], None] = lambda n: None, bufs=None, zip64_limit: int = ZIP64_LIMIT) -> int:
     """Write ``obj`` as a torch zip file at ``path``; returns the bytes of tensor data written.
 
     Source storages (of :class:`TensorHandle` s) are copied whole and once each, keeping views and
-    sharing; each :class:`NewTensor` gets a storage of its own.
+    sharing: inside the kernel (``copy_file_range``) with the CRC-32 the source's zip directory
+    records for them (the bytes are the same, so is their checksum; a source damaged on disk stays
+    detectably damaged), or through the buffers where the stored member is longer than the storage.
+    Each :class:`NewTensor` gets a storage of its own, written with ``pwrite`` at an offset fixed in
+    advance while its CRC-32 is computed chunk by chunk in the read-ahead thread; the zip headers are
+    written last. Written bytes go on to disk as the file grows and leave the page cache
+    (:class:`~ckptlib.streaming.WriteBehind`). ``zip64_limit`` is for tests (sizes and offsets from it
+    on get ZIP64 fields).
+
+    Memory: the pickle and the streaming buffers ``bufs`` (a :class:`~ckptlib.streaming.ChunkBuffers`,
+    3 x 8 MiB made here if not given).
     """
+    from ..streaming import ChunkBuffers, PwriteSink, SourceRange, WriteBehind, copy_ranges, kernel_copy, pwrite_all
+
     tensors: list = []
     _walk_tensors(obj, tensors)
     keys: dict[int, tuple] = {}
@@ -226,47 +240,50 @@ def save(obj: Any, path: str | os.PathLike, archive: Optional[str] = None,
     p = _Pickle(lambda t: keys[id(t.storage if isinstance(t, TensorHandle) else t)])
     p.emit(obj)
     archive = archive or os.path.splitext(os.path.basename(os.fspath(path)))[0] or "archive"
+    members: list[tuple[str, Any]] = [("data.pkl", p.finish()), (".format_version", b"1"),
+                                      (".storage_alignment", str(ALIGN).encode()), ("byteorder", b"little")]
+    members += [(f"data/{key}", src) for key, src in order]
+    members += [("version", b"3\n"), (".data/serialization_id", b"0" * 40)]
+
+    def size(content) -> int:
+        return len(content) if isinstance(content, bytes) else content.numel * content.dtype.itemsize
+
+    records, cd_offset = layout_records([(f"{archive}/{name}", size(c)) for name, c in members], zip64_limit)
     written = 0
-    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as z:
-        def record(name: str, size: int):
-            info = zipfile.ZipInfo(f"{archive}/{name}", date_time=(1980, 1, 1, 0, 0, 0))
-            info.compress_type = zipfile.ZIP_STORED
-            info.file_size = size
-            zip64 = size > zipfile.ZIP64_LIMIT
-            fixed = 30 + len(info.filename.encode()) + (20 if zip64 else 0) + 4
-            pad = -(z.fp.tell() + fixed) % ALIGN
-            info.extra = struct.pack("<HH", 0x4246, pad) + b"Z" * pad
-            return z.open(info, "w", force_zip64=zip64)
-
-        def small(name: str, data: bytes):
-            with record(name, len(data)) as w:
-                w.write(data)
-
-        small("data.pkl", p.finish())
-        small(".format_version", b"1")
-        small(".storage_alignment", str(ALIGN).encode())
-        small("byteorder", b"little")
-        for key, src in order:
-            nbytes = src.numel * src.dtype.itemsize
-            with record(f"data/{key}", nbytes) as w:
-                if isinstance(src, StorageRef):
-                    from ..streaming import ChunkBuffers, SourceRange, WriteSink, copy_ranges
-
-                    if bufs is None:
-                        bufs = ChunkBuffers(COPY_BYTES)
-                    whole = TensorHandle(storage=src, storage_offset=0, shape=(src.numel,), stride=(1,))
-                    copy_ranges([SourceRange(whole, 0, src.numel)], src.dtype, WriteSink(w.write), bufs, progress)
+    fd = os.open(os.fspath(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    behind = WriteBehind(fd)
+    try:
+        for rec, (_, content) in zip(records, members):
+            if isinstance(content, bytes):
+                pwrite_all(fd, content, rec.data_offset)
+                rec.crc = zlib.crc32(content)
+                continue
+            if isinstance(content, StorageRef) and content.stored_crc is not None \
+                    and content.stored_bytes == rec.size:
+                for done in range(0, rec.size, COPY_BYTES):
+                    n = min(COPY_BYTES, rec.size - done)
+                    kernel_copy(content.file.fileno(), content.data_offset + done, fd, rec.data_offset + done, n)
+                    behind.wrote(rec.data_offset + done, n)
+                    content.file.count_read(n)
+                    progress(n)
+                content.file.drop_cache(content.data_offset, rec.size)
+                rec.crc = content.stored_crc
+            else:
+                sink = PwriteSink(fd, rec.data_offset, crc=True, behind=behind)
+                if isinstance(content, StorageRef):
+                    bufs = bufs if bufs is not None else ChunkBuffers(COPY_BYTES)
+                    whole = TensorHandle(storage=content, storage_offset=0, shape=(content.numel,), stride=(1,))
+                    copy_ranges([SourceRange(whole, 0, content.numel)], content.dtype, sink, bufs, progress)
                 else:
-                    count = [0]
-
-                    def write(mv, w=w, count=count):
-                        w.write(mv)
-                        count[0] += mv.nbytes
-
-                    src.producer(write)
-                    if count[0] != nbytes:
-                        raise ValueError(f"a tensor producer wrote {count[0]} bytes instead of {nbytes}")
-            written += nbytes
-        small("version", b"3\n")
-        small(".data/serialization_id", b"0" * 40)
+                    content.producer(sink)
+                if sink.written != rec.size:
+                    raise ValueError(f"a tensor producer wrote {sink.written} bytes instead of {rec.size}")
+                rec.crc = sink.crc
+            written += rec.size
+        for rec in records:
+            pwrite_all(fd, local_header(rec), rec.header_offset)
+        pwrite_all(fd, central_directory(records, cd_offset, zip64_limit), cd_offset)
+        behind.close()
+    finally:
+        os.close(fd)
     return written

@@ -30,7 +30,6 @@ from ckptlib.memory import memory_verdict, process_memory
 from ckptlib.summary import human_bytes
 
 from .common import ErrorArea, WidgetObserver, as_checkpoint, find_path, guarded
-from .figures import table_html
 from .monitor import MemoryMonitor
 
 #: tensors larger than this are not read back for verification (it reads whole tensors)
