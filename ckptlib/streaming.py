@@ -30,8 +30,8 @@ from .progress import check_cancel
 from .torchzip.zipfmt import crc32_combine
 
 DEFAULT_CHUNK_BYTES = 16 * 2**20
-# write(2) in pieces of this size: on the machines measured, writing 3.5 GB into the page cache cost
-# about 1.7x the system time in 16 MiB calls than in 1 MiB calls (bench note in docs/benchmarks.md)
+# write(2) in pieces of this size: on the machine measured, writing 3.5 GiB into the page cache in
+# 16 MiB calls took 3.7x the system time of 1 MiB calls (bench/write_path.py, docs/benchmarks.md)
 WRITE_SLICE = 2**20
 
 
@@ -116,8 +116,8 @@ class WriteBehind:
     released (``posix_fadvise(DONTNEED)``). A multi-GB output then never fills the page cache with
     dirty pages, so the kernel neither throttles the writer nor starts bulk writeback in the middle
     of the run, and the final ``fsync`` has little left to do; page-cache memory stays about
-    ``(lag + 1) * window``. On the 2-core VM of ``bench/`` writing 3.5 GB took 1.9 s instead of
-    8.8-10.2 s (with ``fsync``). Elsewhere it degrades to ``posix_fadvise`` alone, or to nothing.
+    ``(lag + 1) * window``. On the 2-core VM of ``bench/`` writing 3.5 GiB took 1.6 s instead of
+    3.4 s without it (both with ``fsync``; ``bench/write_path.py``). Elsewhere it degrades to ``posix_fadvise`` alone, or to nothing.
     """
 
     def __init__(self, fd: int, window: int = 16 * 2**20, lag: int = 2):
