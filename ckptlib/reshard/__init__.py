@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -17,26 +16,13 @@ from ..deepspeed import Checkpoint, open_checkpoint
 from ..deepspeed.checkpoint import NO_ZERO
 from ..errors import CkptError, UnsupportedCheckpointError
 from ..memory import measure_memory
-from ..output import AtomicOutputDir, reporting_failures
 from ..progress import Observer
 from ..streaming import DEFAULT_CHUNK_BYTES
 from ..summary import human_bytes
 from ..torchzip.writer import NewTensor
 from .build import PlanTotals, StreamContext, Zero3Resharder, Zero12Resharder
-from .write import default_workers, write_target_files
+from .write import default_workers, write_plan
 
-
-def _progress_to(observer: Observer, total: int):
-    """A thread-safe ``progress(nbytes)`` that reports the running total to ``observer``."""
-    done, lock = [0], threading.Lock()
-
-    def progress(n: int) -> None:
-        with lock:
-            done[0] += n
-            now = done[0]
-        observer.on_bytes(now, total)
-
-    return progress
 
 
 @dataclass
@@ -193,20 +179,9 @@ def reshard(checkpoint: Union[Checkpoint, str, os.PathLike, ReshardPlan], out: U
     plan = checkpoint if isinstance(checkpoint, ReshardPlan) else plan_reshard(checkpoint, out, world_size, **options)
     observer = observer or Observer()
     ck = plan.checkpoint
-    ctx = plan._ctx
-    ctx.chunk_bytes = plan.chunk_bytes
-    ctx.progress = _progress_to(observer, plan.write_bytes)
-    t0 = time.perf_counter()
-    read0 = ck.stats.bytes_read
-    observer.on_start(plan)
-    with reporting_failures(plan.out, observer):
-        with AtomicOutputDir(plan.out, source=ck.location.save_dir, overwrite=plan.overwrite) as tmp:
-            (tmp / ck.location.tag).mkdir()
-            write_target_files(plan.files, tmp, ctx, observer, plan.workers, cancel)
-            (tmp / "latest").write_text(ck.location.tag)
+    seconds, read = write_plan(plan, observer, cancel, ck.location.tag, ("latest", ck.location.tag))
     result = ReshardResult(out=plan.out, files=[(f.name, f.write_bytes) for f in plan.files],
-                           seconds=time.perf_counter() - t0, bytes_read=ck.stats.bytes_read - read0,
-                           bytes_written=plan.write_bytes, plan=plan)
+                           seconds=seconds, bytes_read=read, bytes_written=plan.write_bytes, plan=plan)
     observer.on_finish(result)
     return result
 

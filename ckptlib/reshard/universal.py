@@ -83,7 +83,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -94,14 +93,13 @@ from ..deepspeed import Checkpoint, open_checkpoint
 from ..deepspeed import files as fnames
 from ..deepspeed.checkpoint import NO_ZERO
 from ..errors import CkptError, IncompleteCheckpointError, UnsupportedCheckpointError
-from ..output import AtomicOutputDir, reporting_failures
 from ..progress import Observer
 from ..streaming import DEFAULT_CHUNK_BYTES
 from ..summary import human_bytes
 from ..torchzip import TensorHandle
-from . import TargetFile, _progress_to, _tree_bytes
+from . import TargetFile, _tree_bytes
 from .build import PlanTotals, StreamContext, _replace, copied, streamed
-from .write import default_workers, write_target_files
+from .write import default_workers, write_plan
 
 UNIVERSAL_SUFFIX = "_universal"
 LATEST_UNIVERSAL = "latest_universal"
@@ -368,8 +366,8 @@ def write_universal(plan_or_checkpoint: Union[UniversalPlan, Checkpoint, str, os
 
     Every tensor is streamed from the source ranges that make it through buffers of ``chunk_bytes``
     (three per writing thread, ``plan.workers`` threads); nothing is written but the final files.
-    Memory: ``plan.predicted_peak_bytes`` (about 104 MiB with the defaults) whatever the model size. The output appears atomically; the source is
-    only read. ``options`` go to :func:`plan_universal` when a checkpoint (or path) is given.
+    Memory: ``plan.predicted_peak_bytes`` (about 104 MiB with the defaults) whatever the model size.
+    The output appears atomically; the source is only read. ``options`` go to :func:`plan_universal` when a checkpoint (or path) is given.
     """
     if isinstance(plan_or_checkpoint, UniversalPlan):
         plan = plan_or_checkpoint
@@ -378,22 +376,11 @@ def write_universal(plan_or_checkpoint: Union[UniversalPlan, Checkpoint, str, os
             raise CkptError("write_universal needs an output folder")
         plan = plan_universal(plan_or_checkpoint, out, **options)
     observer = observer or Observer()
-    ck = plan.checkpoint
-    ctx = plan._ctx
-    ctx.chunk_bytes = plan.chunk_bytes
-    ctx.progress = _progress_to(observer, plan.write_bytes)
-    t0 = time.perf_counter()
-    read0 = ck.stats.bytes_read
-    observer.on_start(plan)
-    with reporting_failures(plan.out, observer):
-        with AtomicOutputDir(plan.out, source=ck.location.save_dir, overwrite=plan.overwrite) as tmp:
-            (tmp / plan.universal_tag / "zero").mkdir(parents=True)
-            write_target_files(plan.files, tmp, ctx, observer, plan.workers, cancel)
-            (tmp / LATEST_UNIVERSAL).write_text(plan.universal_tag)
+    seconds, read = write_plan(plan, observer, cancel, f"{plan.universal_tag}/zero",
+                               (LATEST_UNIVERSAL, plan.universal_tag))
     result = UniversalResult(out=plan.out, universal_tag=plan.universal_tag,
                              files=[(f.name, f.write_bytes) for f in plan.files] + [(LATEST_UNIVERSAL, 0)],
-                             seconds=time.perf_counter() - t0, bytes_read=ck.stats.bytes_read - read0,
-                             bytes_written=plan.write_bytes, plan=plan)
+                             seconds=seconds, bytes_read=read, bytes_written=plan.write_bytes, plan=plan)
     observer.on_finish(result)
     return result
 

@@ -8,10 +8,12 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Optional
 
+from ..output import AtomicOutputDir, reporting_failures
 from ..progress import Observer, check_cancel
 from ..torchzip.writer import save as torch_save
 from .build import StreamContext
@@ -72,3 +74,34 @@ def write_target_files(files: list, tmp: Path, ctx: StreamContext, observer: Obs
     finally:
         ctx.cancel = cancel
         ctx.close()
+
+
+def _progress_to(observer: Observer, total: int):
+    """A thread-safe ``progress(nbytes)`` that reports the running total to ``observer``."""
+    done, lock = [0], threading.Lock()
+
+    def progress(n: int) -> None:
+        with lock:
+            done[0] += n
+            now = done[0]
+        observer.on_bytes(now, total)
+
+    return progress
+
+
+def write_plan(plan, observer: Observer, cancel: Optional[threading.Event], folder: str,
+               latest: tuple[str, str]) -> tuple[float, int]:
+    """Write every file of a reshard or universal ``plan`` into ``plan.out`` atomically: ``folder`` is
+    made first, the ``latest`` file (name, text) last. Returns (seconds, bytes read from the source)."""
+    ck, ctx = plan.checkpoint, plan._ctx
+    ctx.chunk_bytes = plan.chunk_bytes
+    ctx.progress = _progress_to(observer, plan.write_bytes)
+    t0 = time.perf_counter()
+    read0 = ck.stats.bytes_read
+    observer.on_start(plan)
+    with reporting_failures(plan.out, observer):
+        with AtomicOutputDir(plan.out, source=ck.location.save_dir, overwrite=plan.overwrite) as tmp:
+            (tmp / folder).mkdir(parents=True)
+            write_target_files(plan.files, tmp, ctx, observer, plan.workers, cancel)
+            (tmp / latest[0]).write_text(latest[1])
+    return time.perf_counter() - t0, ck.stats.bytes_read - read0
