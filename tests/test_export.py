@@ -16,6 +16,7 @@ import torch
 import ckptlib
 from ckptlib.export import export, plan_export
 from ckptlib.progress import Cancelled, Observer
+from tests.fixtures.memory_probe import anon_growth
 from tests.fixtures.model import FixtureNet
 
 
@@ -239,32 +240,9 @@ def test_exclude_frozen(fixture_by_name, tmp_path):
         FixtureNet().load_state_dict(sd, strict=False)
 
 
-MEMORY_SCRIPT = textwrap.dedent("""
-    import sys, threading, time
-    from ckptlib.export import export
-    def anon():
-        for line in open("/proc/self/status"):
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    peak, stop = [0], threading.Event()
-    def sample():
-        while not stop.is_set():
-            peak[0] = max(peak[0], anon()); time.sleep(0.001)
-    export(sys.argv[1], sys.argv[2] + "/warm", chunk_bytes=1 << 18)  # warm up allocator and imports
-    base = anon()
-    t = threading.Thread(target=sample); t.start()
-    export(sys.argv[1], sys.argv[2] + "/out", chunk_bytes=1 << 18)
-    stop.set(); t.join()
-    print(peak[0] - base)
-""")
-
-
 def test_memory_is_bounded_by_the_buffers_not_the_tensors(fixture_by_name, tmp_path):
     """Streaming in 256 KiB chunks must stay well under the largest tensor (8.4 MB fp32 here)."""
     fx = fixture_by_name("large_w2")
-    r = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, str(fx["checkpoint_path"]), str(tmp_path)],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    grown = int(r.stdout.strip().splitlines()[-1])
+    grown = anon_growth("ckptlib.export.export", fx["checkpoint_path"], tmp_path, chunk_bytes=1 << 18)
     largest = max(p.numel() * 4 for p in FixtureNet("large").parameters())
     assert grown < largest / 2, (grown, largest)

@@ -40,6 +40,7 @@ from ckptlib.progress import Observer
 from ckptlib.torchzip import Standin, TensorHandle, open_torch_file
 from tests.fixtures.load_check import LR
 from tests.fixtures.load_runner import _launch_env, job_for_fixture, run_load_checks
+from tests.fixtures.memory_probe import anon_growth
 from tests.fixtures.model import build_model, param_group_names, param_groups
 from tests.test_reshard import FP32_ATOL, HALF_RTOL, continuation_error
 
@@ -519,33 +520,11 @@ def test_no_temporary_files_and_bounded_buffers(fixture_by_name, tmp_path):
         assert filecmp.cmp(parent / f, tmp_path / "default" / f[len("out/"):], shallow=False), f
 
 
-MEMORY_SCRIPT = """
-import sys, threading, time
-from ckptlib.reshard.universal import write_universal
-def anon():
-    for line in open("/proc/self/status"):
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) * 1024
-peak, stop = [0], threading.Event()
-def sample():
-    while not stop.is_set():
-        peak[0] = max(peak[0], anon()); time.sleep(0.001)
-write_universal(sys.argv[1], sys.argv[2] + "/warm", chunk_bytes=1 << 18)  # warm up allocator and imports
-base = anon()
-t = threading.Thread(target=sample); t.start()
-write_universal(sys.argv[1], sys.argv[2] + "/out", chunk_bytes=1 << 18)
-stop.set(); t.join()
-print(peak[0] - base)
-"""
-
-
 def test_memory_is_bounded_by_the_buffers_not_the_parameters(fixture_by_name, tmp_path):
     """256 KiB chunks: the process grows far less than the largest parameter (8.4 MB as fp32 here)."""
     fx = fixture_by_name("large_w2")
-    r = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, str(fx["checkpoint_path"]), str(tmp_path)],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    grown = int(r.stdout.strip().splitlines()[-1])
+    grown = anon_growth("ckptlib.reshard.universal.write_universal", fx["checkpoint_path"], tmp_path,
+                        chunk_bytes=1 << 18)
     largest = max(p.numel() * 4 for p in build_model("large", seed=0).parameters())
     assert grown < largest / 2, (grown, largest)
 
