@@ -24,7 +24,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tests.fixtures.factory import _tail, check_fixture_dir, run_generator  # noqa: E402
+from tests.fixtures.factory import check_fixture_dir, run_generator  # noqa: E402
+from tests.fixtures.torchrun import log_tail  # noqa: E402
 
 FIXTURE = "z2_bf16_w2"
 WORLD = 2
@@ -42,7 +43,7 @@ def main(argv=None) -> int:
         src = tmp / "out" / FIXTURE
         problems = check_fixture_dir(src)
         if problems:
-            print(f"generation failed (exit code {rc}): {problems}\n{_tail(log)}", file=sys.stderr)
+            print(f"generation failed (exit code {rc}): {problems}\n{log_tail(log)}", file=sys.stderr)
             return 1
         if rc != 0:
             print(f"note: generator exit code {rc}, but every file was produced and checked", file=sys.stderr)

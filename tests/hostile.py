@@ -1,8 +1,6 @@
 """Builders of hostile and damaged torch files for the safety tests (no DeepSpeed needed)."""
 from __future__ import annotations
 
-import io
-import pickle
 import zipfile
 from pathlib import Path
 

@@ -3,7 +3,6 @@
 in test-artifacts/ (git-ignored)."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 

@@ -11,7 +11,6 @@ import hashlib
 import io
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys

@@ -17,7 +17,8 @@ import torch
 
 from tests.fixtures.generate import bits_equal
 from tests.fixtures.load_check import LOAD_SEED, perturb_buffers
-from tests.fixtures.load_runner import LoadCheckError, _launch_env, job_for_fixture, run_load_checks
+from tests.fixtures.load_runner import LoadCheckError, job_for_fixture, run_load_checks
+from tests.fixtures.torchrun import launch_env
 from tests.fixtures.model import build_model
 
 # Same-world-size loads (DeepSpeed supports N -> N natively): loaded state must be bit-exact.
@@ -80,7 +81,7 @@ def prepared(fixture_by_name, tmp_path_factory):
         shutil.copytree(fx["checkpoint_path"], dst)
         plan["corrupt"].append([str(dst / fx["tag"] / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"), kind])
         out[kind] = dst
-    proc = subprocess.run([sys.executable, "-c", PREPARE, json.dumps(plan)], env=_launch_env(),
+    proc = subprocess.run([sys.executable, "-c", PREPARE, json.dumps(plan)], env=launch_env(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for name in UNIVERSAL_SRC:

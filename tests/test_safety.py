@@ -1,9 +1,7 @@
 """The safe reader never runs code from a checkpoint and explains what it refuses."""
 import os
-import pickle
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch

@@ -38,11 +38,13 @@ from ckptlib.reshard import reshard
 from ckptlib.reshard.universal import LATEST_UNIVERSAL, plan_universal, write_universal
 from ckptlib.progress import Observer
 from ckptlib.torchzip import Standin, TensorHandle, open_torch_file
+from tests.fixtures.compare import (FP32_ATOL, HALF_RTOL, assert_masters_and_moments_equal, continuation_error,
+                                   reference)
 from tests.fixtures.load_check import LR
-from tests.fixtures.load_runner import _launch_env, job_for_fixture, run_load_checks
+from tests.fixtures.load_runner import job_for_fixture, run_load_checks
+from tests.fixtures.torchrun import launch_env
 from tests.fixtures.memory_probe import anon_growth
 from tests.fixtures.model import build_model, param_group_names, param_groups
-from tests.test_reshard import FP32_ATOL, HALF_RTOL, continuation_error
 
 # source -> the sizes it is loaded at: every stage at each of 1, 2, 3, 4 (and never its own size N)
 # (few 4-rank jobs: 4 processes on 2 cores are the slowest)
@@ -70,10 +72,6 @@ RR_SOURCE = "z2_roundrobin_w3"
 # the same state loaded natively at M (ckptlib's N->M reshard): DeepSpeed must then compute the same step
 TWINS = [("z2_bf16_w2", 3), ("z3_bf16_w3", 2), ("bf16opt_w3", 2)]
 TIMINGS: dict = {}
-
-
-def _ref(fx):
-    return torch.load(fx["path"] / "reference.pt", weights_only=True)
 
 
 def _utag(fx) -> str:
@@ -117,7 +115,7 @@ def ds_written(fixture_by_name, tmp_path_factory):
         plan.append([str(dst / fx["tag"]), str(dst / _utag(fx))])
         out[name] = dst
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", DS_CONVERT, json.dumps(plan)], env=_launch_env(),
+    proc = subprocess.run([sys.executable, "-c", DS_CONVERT, json.dumps(plan)], env=launch_env(),
                           capture_output=True, text=True, timeout=300)
     TIMINGS["ds_to_universal"] = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -225,16 +223,12 @@ def _tol(fx) -> float:
 def test_deepspeed_loads_the_universal_output_exactly_and_continues_like_the_original(runs, fixture_by_name,
                                                                                        name, m):
     fx = fixture_by_name(name)
-    ref = _ref(fx)
+    ref = reference(fx)
     got, orig = _ok(runs[f"{name}->{m}"]), _ok(runs[f"{name}@orig"])
     assert got["world_size"] == m and got["config"]["checkpoint"]["load_universal"] is True
     assert Path(got["load_path"]).parent.name == _utag(fx)
     loaded = got["loaded"]
-    for p, want in ref["fp32"].items():
-        assert torch.equal(loaded["fp32"][p], want), f"fp32 master {p}"
-        for key in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(loaded["optim"][p][key], ref["optim"][p][key]), f"{key} {p}"
-    assert loaded["step"] == ref["step"]
+    assert_masters_and_moments_equal(loaded, ref)
     # precondition of the comparison with the original (universal loads skip them; AS_GENERATOR)
     for kind in ("frozen", "buffers"):
         for p, want in ref[kind].items():
@@ -303,7 +297,7 @@ def test_zero3_universal_load_reads_only_rank0_model_states(runs, fixture_by_nam
     fx = fixture_by_name(name)
     assert m > fx["world_size"]
     got = _ok(runs["only_rank0"])["loaded"]
-    ref = _ref(fx)
+    ref = reference(fx)
     assert all(torch.equal(got["fp32"][p], v) for p, v in ref["fp32"].items())
     names = sorted(f.name for f in (written[name] / _utag(fx)).glob("*_model_states.pt"))
     assert names == [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(fx["world_size"])]
@@ -336,7 +330,7 @@ def test_deepspeed_own_zero3_output_gives_every_group_the_first_groups_hyperpara
     assert second
     for p in second:
         p0, m1, v1 = loaded["fp32"][p], after["optim"][p]["exp_avg"], after["optim"][p]["exp_avg_sq"]
-        step = _ref(fx)["step"] + 1 + sub[p]
+        step = reference(fx)["step"] + 1 + sub[p]
         assert (_adamw(p0, m1, v1, step, lr0, wd0) - after["fp32"][p]).abs().max().item() <= 1e-6, p
         lr, wd, _ = hyper[p]
         assert (_adamw(p0, m1, v1, step, lr, wd) - after["fp32"][p]).abs().max().item() > 1e-4, p
@@ -347,7 +341,7 @@ def test_round_robin_engines_scatter_any_universal_load(runs, fixture_by_name):
     fragment at its natural-order offset. ckptlib's (right) files then load wrong; ds_to_universal's
     (wrong, cut the same way at save) files load right only when M == N, where the two errors cancel."""
     fx = fixture_by_name(RR_SOURCE)
-    ref = _ref(fx)
+    ref = reference(fx)
 
     def wrong(label):
         got = _ok(runs[label])["loaded"]
@@ -425,7 +419,7 @@ def test_files_equal_deepspeeds_ds_to_universal(written, ds_written, fixture_by_
     if fx["extras"].get("round_robin_gradients"):
         # DeepSpeed cuts the fragments by param_slice_mappings, which it computes in natural order while
         # the flat groups are in round-robin order: its values are wrong, ours are the reference's
-        ref = _ref(fx)
+        ref = reference(fx)
         assert wrong
         for f in wrong:
             pname, key = f.rsplit("/", 1)
@@ -456,7 +450,7 @@ def test_files_equal_deepspeeds_ds_to_universal(written, ds_written, fixture_by_
 def test_values_equal_the_reference(written, fixture_by_name, name):
     """Every file against the live engine's values (no DeepSpeed involved)."""
     fx = fixture_by_name(name)
-    ref = _ref(fx)
+    ref = reference(fx)
     zero = written[name] / _utag(fx) / "zero"
     for p, want in ref["fp32"].items():
         obj = _obj(zero / p / "fp32.pt")
