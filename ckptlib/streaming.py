@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import ctypes
-import ctypes.util
 import os
 import sys
 import threading
@@ -94,9 +93,8 @@ class WriteSink:
 def _load_sync_file_range():
     if not sys.platform.startswith("linux"):
         return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.sync_file_range
+    try:  # the symbols already loaded into the process (libc among them); find_library would spawn ldconfig
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
     except (OSError, AttributeError):
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]

@@ -246,3 +246,23 @@ def test_no_library_module_imports_the_ui():
             for n in names:
                 assert not n.startswith(("tqdm.notebook", "tqdm.auto", "ckptlib.ui", ".ui", "..ui", "ipywidgets")) \
                     and n != "ui", f"{path}: imports {n}"
+
+
+def test_importing_the_library_starts_no_process():
+    """A fork at import time (e.g. ctypes.util.find_library running ldconfig) briefly doubles the
+    process tree's resident memory, which the benchmarks sum; the library must not spawn anything."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import subprocess\n"
+        "calls = []\n"
+        "orig = subprocess.Popen.__init__\n"
+        "def spy(self, *a, **k):\n"
+        "    calls.append(a[:1]); return orig(self, *a, **k)\n"
+        "subprocess.Popen.__init__ = spy\n"
+        "import ckptlib, ckptlib.cli, ckptlib.export, ckptlib.reshard, ckptlib.streaming, ckptlib.torchzip.writer\n"
+        "print(calls)\n")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]", r.stdout
