@@ -113,18 +113,21 @@ class WriteBehind:
     once ``lag`` more windows are in flight, the oldest is waited for and its (now clean) pages are
     released (``posix_fadvise(DONTNEED)``). A multi-GB output then never fills the page cache with
     dirty pages, so the kernel neither throttles the writer nor starts bulk writeback in the middle
-    of the run, and the final ``fsync`` has little left to do; page-cache memory stays about
-    ``(lag + 1) * window``. On the 2-core VM of ``bench/`` writing 3.5 GiB took 1.6 s instead of
-    3.4 s without it (both with ``fsync``; ``bench/write_path.py``). Elsewhere it degrades to ``posix_fadvise`` alone, or to nothing.
+    of the run, and the final ``fsync`` has little left to do; the page cache the file takes stays
+    about ``(lag + 1) * window`` (144 MiB by default; enough in flight for high-latency storage). On
+    the 2-core VM of ``bench/`` writing 3.5 GiB took 1.6 s instead of 3.4 s without it (both with
+    ``fsync``; ``bench/write_path.py``). Elsewhere it degrades to ``posix_fadvise`` alone, or to
+    nothing. ``CKPTLIB_WRITE_BEHIND=0`` in the environment turns it off (plain buffered writes).
     """
 
-    def __init__(self, fd: int, window: int = 16 * 2**20, lag: int = 2):
+    def __init__(self, fd: int, window: int = 16 * 2**20, lag: int = 8):
         self.fd, self.window, self.lag = fd, window, lag
+        self.enabled = os.environ.get("CKPTLIB_WRITE_BEHIND", "1") != "0"
         self._run: Optional[list] = None  # [start, end) of the bytes written in a row, not handed over yet
         self._flight: collections.deque = collections.deque()
 
     def wrote(self, offset: int, nbytes: int) -> None:
-        if nbytes <= 0:
+        if nbytes <= 0 or not self.enabled:
             return
         if self._run is not None and self._run[1] == offset:
             self._run[1] += nbytes

@@ -173,3 +173,26 @@ def test_write_behind_keeps_every_byte(tmp_path, window, lag):
     wb.close()
     os.close(fd)
     assert (tmp_path / "f").read_bytes() == data
+
+
+@pytest.mark.parametrize("setting,expect_calls", [("1", True), ("0", False)])
+def test_write_behind_hands_windows_to_the_disk_unless_turned_off(tmp_path, monkeypatch, setting, expect_calls):
+    import ckptlib.streaming as streaming
+
+    calls = []
+    monkeypatch.setattr(streaming, "_sync_file_range", lambda fd, off, n, flags: calls.append((off, n, flags)))
+    monkeypatch.setenv("CKPTLIB_WRITE_BEHIND", setting)
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+    wb = WriteBehind(fd, window=1000, lag=2)
+    for off in range(0, 10_000, 500):
+        os.pwrite(fd, bytes(500), off)
+        wb.wrote(off, 500)
+    wb.close()
+    os.close(fd)
+    assert (tmp_path / "f").stat().st_size == 10_000
+    if expect_calls:
+        started = [(o, n) for o, n, f in calls if f == 2]
+        waited = [(o, n) for o, n, f in calls if f == 7]
+        assert started == [(o, 1000) for o in range(0, 10_000, 1000)] and sorted(waited) == started
+    else:
+        assert calls == []
