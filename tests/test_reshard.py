@@ -245,3 +245,23 @@ def test_memory_is_bounded_by_the_buffers_not_the_partitions(fixture_by_name, tm
     plan = plan_reshard(fx["checkpoint_path"], tmp_path / "unused", 3, chunk_bytes=1 << 18, workers=2)
     partition = max(f.read_bytes for f in plan.files if f.kind == "optim_states") // 3  # one state's share
     assert grown < partition / 2 and grown <= plan.predicted_peak_bytes, (grown, partition)
+
+
+@pytest.mark.parametrize("universal", [False, True], ids=["reshard", "universal"])
+def test_progress_from_parallel_writers_only_goes_up_and_ends_at_the_total(fixture_by_name, tmp_path, universal):
+    from ckptlib.reshard import write_universal
+
+    seen = []
+
+    class Record(ckptlib.Observer):
+        def on_bytes(self, done, total):
+            seen.append((done, total))
+
+    src = fixture_by_name("z3_fp32_w4")["checkpoint_path"]
+    if universal:
+        result = write_universal(src, tmp_path / "out", workers=3, chunk_bytes=512, observer=Record())
+    else:
+        result = reshard(src, tmp_path / "out", 3, workers=3, chunk_bytes=512, observer=Record())
+    dones = [d for d, _ in seen]
+    assert len(seen) > 20 and dones == sorted(dones)
+    assert dones[-1] == result.bytes_written and {t for _, t in seen} == {result.bytes_written}

@@ -88,7 +88,8 @@ def streamed(dtype: torch.dtype, ranges: list, ctx: StreamContext, requires_grad
 def copied(h: TensorHandle, ctx: StreamContext) -> NewTensor:
     """A copy of a stored tensor with a storage of its own (so that no two target tensors share one)."""
     t = NewTensor(h.dtype, tuple(h.shape), lambda write: copy_ranges([SourceRange(h, 0, h.numel)], h.dtype,
-                                                                     as_sink(write), ctx.bufs), h.requires_grad)
+                                                                     as_sink(write), ctx.bufs, ctx.progress,
+                                                                     ctx.cancel), h.requires_grad)
     t.read_bytes = h.nbytes
     return t
 

@@ -77,14 +77,14 @@ def write_target_files(files: list, tmp: Path, ctx: StreamContext, observer: Obs
 
 
 def _progress_to(observer: Observer, total: int):
-    """A thread-safe ``progress(nbytes)`` that reports the running total to ``observer``."""
+    """A thread-safe ``progress(nbytes)`` that reports the running total to ``observer``, in increasing
+    order (the observer is called under the lock, so its totals never go back)."""
     done, lock = [0], threading.Lock()
 
     def progress(n: int) -> None:
         with lock:
             done[0] += n
-            now = done[0]
-        observer.on_bytes(now, total)
+            observer.on_bytes(done[0], total)
 
     return progress
 
