@@ -14,13 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from procmon import drop_caches, run  # noqa: E402
+from procmon import drop_caches, medians, run  # noqa: E402
 
 PY = sys.executable
 #: the anchor, ckptlib's default run (same output), and two variants that take the buffered path
@@ -83,8 +82,7 @@ def main() -> int:
         full = safetensors.torch.load_file(work / f"{ckpt.name}-ck" / "model.safetensors")
         verdict += "; bf16 output == fp32 output cast by torch: " + str(
             all(torch.equal(half[k], full[k].to(torch.bfloat16)) for k in full))
-        med = {t: {k: statistics.median(getattr(s, k) for s in v) for k in ("wall", "peak_anon", "peak_file", "read_bytes")}
-               for t, v in res.items()}
+        med = medians(res, ("wall", "peak_anon", "peak_file", "read_bytes"))
         raw[ckpt.name] = {"median": med, "baseline_anon": {"ck": base_ck, "ds": base_ds}, "outputs": verdict}
         rows.append((ckpt.name, med, verdict))
     print()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import time
 from dataclasses import dataclass
@@ -59,6 +60,11 @@ def _tree(pid: int) -> list[int]:
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             pass
     return out
+
+
+def medians(runs: dict, keys: tuple) -> dict:
+    """``{tool: {key: median over that tool's RunStats}}`` for ``runs`` = ``{tool: [RunStats, ...]}``."""
+    return {t: {k: statistics.median(getattr(s, k) for s in v) for k in keys} for t, v in runs.items()}
 
 
 def du(path: str) -> int:

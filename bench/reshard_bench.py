@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from procmon import drop_caches, run  # noqa: E402
+from procmon import drop_caches, medians, run  # noqa: E402
 
 PY = sys.executable
 MIB = 2**20
@@ -60,8 +59,7 @@ def main() -> int:
                 res[tool].append(st)
                 print(f"  {ckpt.name} round {r + 1} {tool}: {st.wall:.1f} s, anon {st.peak_anon / MIB:.0f} MiB, "
                       f"disk peak {st.peak_disk / MIB:.0f} MiB final {st.final_disk / MIB:.0f} MiB", flush=True)
-        med = {t: {k: statistics.median(getattr(s, k) for s in v)
-                   for k in ("wall", "peak_anon", "peak_disk", "final_disk")} for t, v in res.items()}
+        med = medians(res, ("wall", "peak_anon", "peak_disk", "final_disk"))
         rows.append((ckpt.name, med, {t: _stated_bound(ckpt, m) for t, m in tools.items()}))
     print()
     print("| checkpoint | tool | wall time (median) | peak RssAnon (process tree) | over import baseline "

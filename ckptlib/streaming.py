@@ -32,6 +32,13 @@ DEFAULT_CHUNK_BYTES = 16 * 2**20
 # write(2) in pieces of this size: on the machine measured, writing 3.5 GiB into the page cache in
 # 16 MiB calls took 3.7x the system time of 1 MiB calls (bench/write_path.py, docs/benchmarks.md)
 WRITE_SLICE = 2**20
+FIXED_OVERHEAD_BYTES = 8 * 2**20  # allowance for the plan's object trees and bookkeeping
+
+
+def predicted_peak_bytes(chunk_bytes: int, threads: int = 1) -> int:
+    """What a streaming run adds to a process: each writing thread's :class:`ChunkBuffers` (two read-ahead,
+    one cast; storage copies use the same) plus a fixed allowance."""
+    return threads * 3 * chunk_bytes + FIXED_OVERHEAD_BYTES
 
 
 @dataclass(frozen=True)
@@ -81,13 +88,6 @@ class ChunkBuffers:
             self.close()
         except Exception:
             pass
-
-
-class WriteSink:
-    """Adapts a ``write(memoryview)`` function to a sink."""
-
-    def __init__(self, write: Callable[[memoryview], None]):
-        self.write = write
 
 
 def _load_sync_file_range():
@@ -162,11 +162,6 @@ class WriteBehind:
         self._hand_over()
         while self._flight:
             self._release(*self._flight.popleft())
-
-
-def as_sink(write):
-    """``write`` itself if it is already a sink (has ``write``), else a :class:`WriteSink` around it."""
-    return write if hasattr(write, "write") else WriteSink(write)
 
 
 def pwrite_all(fd: int, data, offset: int) -> None:

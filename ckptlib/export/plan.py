@@ -17,13 +17,12 @@ import torch
 from ..deepspeed import Checkpoint, open_checkpoint
 from ..errors import CkptError
 from ..summary import human_bytes
-from ..streaming import DEFAULT_CHUNK_BYTES
+from ..streaming import DEFAULT_CHUNK_BYTES, predicted_peak_bytes
 from ..torchzip import itemsize
 
 OUTPUT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FORMATS = ("safetensors", "torch")
 #: interpreter-side allowance for metadata, headers and bookkeeping
-FIXED_OVERHEAD_BYTES = 8 * 2**20
 
 
 def parse_size(size: Union[int, str]) -> int:
@@ -119,7 +118,7 @@ class ExportPlan:
 
     @property
     def predicted_peak_bytes(self) -> int:
-        return 3 * self.chunk_bytes + FIXED_OVERHEAD_BYTES
+        return predicted_peak_bytes(self.chunk_bytes)
 
     def to_dict(self) -> dict:
         return {

@@ -28,7 +28,7 @@ from ..errors import CkptError
 from ..memory import measure_memory
 from ..output import AtomicOutputDir, reporting_failures
 from ..progress import Observer, check_cancel
-from ..streaming import ChunkBuffers, PwriteSink, WriteBehind, as_sink, copy_ranges
+from ..streaming import ChunkBuffers, PwriteSink, WriteBehind, copy_ranges
 from ..torchzip.writer import NewTensor
 from ..torchzip.writer import save as torch_save
 from .formats import SafetensorsLayout, TensorSpec
@@ -99,10 +99,10 @@ def write_unit(ck: Checkpoint, plan: ExportPlan, tmp: Path, file_index: int, ten
             os.close(fd)
     else:  # a torch zip file: one storage per tensor, each streamed in when the writer reaches it
         def producer(t):
-            def produce(write):
+            def produce(sink):
                 if observer:
                     observer.on_tensor(t.name)
-                stream_tensor(ck, t, as_sink(write), bufs, progress, cancel)
+                stream_tensor(ck, t, sink, bufs, progress, cancel)
             return produce
 
         torch_save(collections.OrderedDict((t.name, NewTensor(t.dtype, t.shape, producer(t))) for t in f.tensors),

@@ -20,7 +20,7 @@ from ..progress import Observer
 from ..streaming import DEFAULT_CHUNK_BYTES
 from ..summary import human_bytes
 from ..torchzip.writer import NewTensor
-from .build import PlanTotals, StreamContext, Zero3Resharder, Zero12Resharder
+from .build import StreamContext, TargetPlan, Zero3Resharder, Zero12Resharder
 from .write import default_workers, write_plan
 
 
@@ -39,19 +39,11 @@ class TargetFile:
     source: Optional[Path] = None                     # the file copied (kind "copy")
 
 
-@dataclass
-class ReshardPlan(PlanTotals):
+@dataclass(kw_only=True)
+class ReshardPlan(TargetPlan):
     """What a reshard will write, computed from metadata. See :func:`plan_reshard`."""
 
-    checkpoint: Checkpoint
-    out: Path
     world_size: int
-    files: list
-    chunk_bytes: int
-    overwrite: bool
-    notes: list = field(default_factory=list)
-    workers: int = 1
-    _ctx: Any = field(default=None, repr=False)
 
     def feeds(self) -> dict:
         """``{target rank: [source ranks whose bytes it reads]}``."""
@@ -130,7 +122,7 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
             "this checkpoint has no ZeRO partitioning (stage 0): DeepSpeed loads it at any data-parallel size "
             "as it is", path=ck.location.tag_dir, hint="no reshard is needed")
     resharder = Zero3Resharder(ck, world_size) if ck.zero_stage == 3 else Zero12Resharder(ck, world_size)
-    ctx = StreamContext(chunk_bytes)
+    ctx = StreamContext()
     tag_name = ck.location.tag
     files: list[TargetFile] = []
     for name, obj in resharder.model_states(ctx).items():

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import collections
 import threading
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
@@ -19,16 +21,26 @@ from ..deepspeed.checkpoint import BF16_OPTIMIZER, Checkpoint, SourceRange
 from ..errors import UnsupportedCheckpointError
 from ..layout import (FlatGroupLayout, Piece, Zero3Layout, Zeros, chunk_size, reslice_by_params, reslice_flat,
                       reslice_zero3, round_robin_order, zero3_sub_groups)
-from ..streaming import DEFAULT_CHUNK_BYTES, ChunkBuffers, as_sink, copy_ranges, slice_ranges
+from ..streaming import ChunkBuffers, copy_ranges, predicted_peak_bytes, slice_ranges
 from ..torchzip import FragmentAddress, TensorHandle
 from ..torchzip.writer import NewTensor
 
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's default zero_optimization.sub_group_size
-FIXED_OVERHEAD_BYTES = 8 * 2**20
 
 
-class PlanTotals:
-    """Totals shared by the reshard and universal plans (``files`` with read/write bytes, ``chunk_bytes``)."""
+@dataclass(kw_only=True)
+class TargetPlan:
+    """What the reshard and universal plans share: the files to write (with read/write bytes), the
+    streaming settings and the totals derived from them."""
+
+    checkpoint: Checkpoint
+    out: Path
+    files: list
+    chunk_bytes: int
+    overwrite: bool
+    notes: list = field(default_factory=list)
+    workers: int = 1
+    _ctx: Any = field(default=None, repr=False)
 
     @property
     def read_bytes(self) -> int:
@@ -40,17 +52,16 @@ class PlanTotals:
 
     @property
     def predicted_peak_bytes(self) -> int:
-        """The streaming buffers (two read-ahead, one cast; storage copies use the same) of each writing
-        thread, plus a fixed allowance."""
-        return getattr(self, "workers", 1) * 3 * self.chunk_bytes + FIXED_OVERHEAD_BYTES
+        """Each writing thread's streaming buffers plus a fixed allowance."""
+        return predicted_peak_bytes(self.chunk_bytes, self.workers)
 
 
 class StreamContext:
     """What producers need while writing: buffers (one set per writing thread, made on first use),
     progress and cancellation."""
 
-    def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
-        self.chunk_bytes = chunk_bytes
+    def __init__(self):
+        self.chunk_bytes = 0  # set from the plan when a run starts
         self.progress: Callable[[int], None] = lambda n: None
         self.cancel: Any = None
         self._local = threading.local()
@@ -78,7 +89,7 @@ class StreamContext:
 def streamed(dtype: torch.dtype, ranges: list, ctx: StreamContext, requires_grad: bool = False) -> NewTensor:
     """A new 1-D tensor made of ``ranges`` (source ranges and zeros), streamed when written."""
     n = sum(r.count for r in ranges)
-    t = NewTensor(dtype, (n,), lambda write: copy_ranges(ranges, dtype, as_sink(write), ctx.bufs, ctx.progress,
+    t = NewTensor(dtype, (n,), lambda sink: copy_ranges(ranges, dtype, sink, ctx.bufs, ctx.progress,
                                                          ctx.cancel), requires_grad)
     t.read_bytes = sum(r.count * r.handle.itemsize for r in ranges if not isinstance(r, Zeros))
     t.sources = sorted({r.handle.path for r in ranges if not isinstance(r, Zeros)})
@@ -87,9 +98,9 @@ def streamed(dtype: torch.dtype, ranges: list, ctx: StreamContext, requires_grad
 
 def copied(h: TensorHandle, ctx: StreamContext) -> NewTensor:
     """A copy of a stored tensor with a storage of its own (so that no two target tensors share one)."""
-    t = NewTensor(h.dtype, tuple(h.shape), lambda write: copy_ranges([SourceRange(h, 0, h.numel)], h.dtype,
-                                                                     as_sink(write), ctx.bufs, ctx.progress,
-                                                                     ctx.cancel), h.requires_grad)
+    t = NewTensor(h.dtype, tuple(h.shape), lambda sink: copy_ranges([SourceRange(h, 0, h.numel)], h.dtype, sink,
+                                                                    ctx.bufs, ctx.progress, ctx.cancel),
+                  h.requires_grad)
     t.read_bytes = h.nbytes
     return t
 

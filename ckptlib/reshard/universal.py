@@ -98,7 +98,7 @@ from ..streaming import DEFAULT_CHUNK_BYTES
 from ..summary import human_bytes
 from ..torchzip import TensorHandle
 from . import TargetFile, _tree_bytes
-from .build import PlanTotals, StreamContext, _replace, copied, streamed
+from .build import StreamContext, TargetPlan, _replace, copied, streamed
 from .write import default_workers, write_plan
 
 UNIVERSAL_SUFFIX = "_universal"
@@ -107,19 +107,11 @@ LATEST_UNIVERSAL = "latest_universal"
 _ZERO12_PARTITIONED = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
 
 
-@dataclass
-class UniversalPlan(PlanTotals):
+@dataclass(kw_only=True)
+class UniversalPlan(TargetPlan):
     """What :func:`write_universal` will write, computed from metadata. See :func:`plan_universal`."""
 
-    checkpoint: Checkpoint
-    out: Path
     universal_tag: str
-    files: list
-    chunk_bytes: int
-    overwrite: bool
-    notes: list = field(default_factory=list)
-    workers: int = 1
-    _ctx: Any = field(default=None, repr=False)
 
     def to_dict(self) -> dict:
         ck = self.checkpoint
@@ -286,7 +278,7 @@ def plan_universal(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[s
             "ZeRO stages 1-3", path=ck.location.tag_dir,
             hint="DeepSpeed loads a stage-0 checkpoint at any size as it is")
     src = _Source(ck)
-    ctx = StreamContext(chunk_bytes)
+    ctx = StreamContext()
     utag = f"{ck.location.tag}{UNIVERSAL_SUFFIX}"
     optimizer_state = src.optimizer_state(ctx)
     notes = list(src.notes)

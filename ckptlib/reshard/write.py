@@ -1,7 +1,7 @@
 """Writing the target files of a reshard or universal plan, a few at a time (shared by both).
 
-Memory: each writing thread streams through its own buffers (:class:`~ckptlib.reshard.build.StreamContext`),
-so ``workers * 3 * chunk_bytes`` plus the object trees of the plan.
+Memory: each writing thread streams through its own buffers (:class:`~ckptlib.reshard.build.StreamContext`):
+``plan.predicted_peak_bytes``.
 """
 from __future__ import annotations
 

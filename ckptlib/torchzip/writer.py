@@ -38,16 +38,16 @@ COPY_BYTES = 8 * 2**20
 
 @dataclass(eq=False)
 class NewTensor:
-    """A contiguous tensor to be written, whose bytes ``producer(write)`` streams in order.
+    """A contiguous tensor to be written, whose bytes ``producer(sink)`` streams in order.
 
-    ``producer`` is called with a sink, callable as ``write(memoryview)`` (and with
-:meth:`~ckptlib.streaming.PwriteSink.write` taking a precomputed CRC-32), and must write exactly
-``nbytes``.
+    ``producer`` is called with a :class:`~ckptlib.streaming.PwriteSink` (callable as
+    ``sink(memoryview)``; ``sink.write`` also takes a precomputed CRC-32) and must write exactly
+    ``nbytes``.
     """
 
     dtype: torch.dtype
     shape: tuple
-    producer: Callable[[Callable[[memoryview], None]], None]
+    producer: Callable[[Any], None]
     requires_grad: bool = False
 
     @property
@@ -225,7 +225,7 @@ def save(obj: Any, path: str | os.PathLike, archive: Optional[str] = None,
     Memory: the pickle and the streaming buffers ``bufs`` (a :class:`~ckptlib.streaming.ChunkBuffers`,
     3 x 8 MiB made here if not given).
     """
-    from ..streaming import ChunkBuffers, PwriteSink, SourceRange, WriteBehind, copy_ranges, kernel_copy, pwrite_all
+    from ..streaming import ChunkBuffers, PwriteSink, SourceRange, WriteBehind, copy_ranges, pwrite_all
 
     tensors: list = []
     _walk_tensors(obj, tensors)
@@ -260,10 +260,10 @@ def save(obj: Any, path: str | os.PathLike, archive: Optional[str] = None,
                 continue
             if isinstance(content, StorageRef) and content.stored_crc is not None \
                     and content.stored_bytes == rec.size:
+                sink = PwriteSink(fd, rec.data_offset, behind=behind)
                 for done in range(0, rec.size, COPY_BYTES):
                     n = min(COPY_BYTES, rec.size - done)
-                    kernel_copy(content.file.fileno(), content.data_offset + done, fd, rec.data_offset + done, n)
-                    behind.wrote(rec.data_offset + done, n)
+                    sink.copy_from(content.file.fileno(), content.data_offset + done, n)
                     content.file.count_read(n)
                     progress(n)
                 content.file.drop_cache(content.data_offset, rec.size)
