@@ -51,7 +51,7 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None, help="also write the raw figures here")
     args = ap.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="ckptlib-bench-"))
-    base_ck = baseline("ckptlib.cli, ckptlib.export, ckptlib.export.run, tqdm")
+    base_ck = baseline("ckptlib.cli, ckptlib.export, ckptlib.execute, tqdm")
     base_ds = baseline("torch, deepspeed, safetensors, huggingface_hub")
     dropped = drop_caches()
     print(f"import baselines (RssAnon): ckptlib {base_ck / MIB:.0f} MiB, DeepSpeed {base_ds / MIB:.0f} MiB; "

@@ -6,7 +6,7 @@ import sys
 import time
 
 import ckptlib
-from ckptlib.summary import human_bytes
+from ckptlib.units import human_bytes
 
 for path in sys.argv[1:]:
     t0 = time.perf_counter()

@@ -6,22 +6,31 @@ Public API::
     ckpt = ckptlib.open_checkpoint("output/checkpoint-500")   # metadata only
     print(ckpt.zero_stage, ckpt.dp_world_size, ckpt.dtype)
     w = ckpt.read_param("model.embed.weight")                 # fp32, bit-exact master weights
+
+    plan = ckptlib.plan_export(ckpt, "out")                   # plain data: files, tensors, byte ranges
+    result = ckptlib.run(plan)                                # (or ckptlib.export(plan)); result.memory
+    assert ckptlib.verify(plan).ok                            # every tensor re-read and compared
 """
 from .deepspeed import Checkpoint, open_checkpoint
+from .errors import (Cancelled, CkptError, IncompleteCheckpointError, NotACheckpointError, OutputError,
+                     UnsafeCheckpointError, UnsupportedCheckpointError)
 from .export import ExportPlan, ExportResult, export, plan_export
-from .progress import Cancelled, Observer
+from .mesh import Rank
+from .plan import Plan
+from .progress import Observer
 from .reshard import (ReshardPlan, ReshardResult, UniversalPlan, UniversalResult, plan_reshard, plan_universal, reshard,
                       write_universal)
-from .errors import (CkptError, IncompleteCheckpointError, NotACheckpointError, OutputError,
-                     UnsafeCheckpointError, UnsupportedCheckpointError)
+from .execute import RunResult, run, run_distributed
 from .summary import describe
+from .verify import Preflight, Verification, preflight, verify
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Checkpoint", "open_checkpoint", "describe", "plan_export", "export", "ExportPlan", "ExportResult",
+    "Checkpoint", "open_checkpoint", "describe", "Rank", "plan_export", "export", "ExportPlan", "ExportResult",
     "Observer", "Cancelled", "plan_reshard", "reshard", "ReshardPlan", "ReshardResult",
-    "plan_universal", "write_universal", "UniversalPlan", "UniversalResult",
+    "plan_universal", "write_universal", "UniversalPlan", "UniversalResult", "Plan", "run", "run_distributed",
+    "RunResult", "verify", "Verification", "preflight", "Preflight",
     "CkptError", "IncompleteCheckpointError", "NotACheckpointError", "OutputError", "UnsafeCheckpointError",
     "UnsupportedCheckpointError",
 ]

@@ -10,6 +10,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from .dtypes import OUTPUT_DTYPES
 from .errors import CkptError
 
 
@@ -25,9 +26,24 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         return 1 if ckpt.problems else 0
 
 
+def _finish(args: argparse.Namespace, plan, result) -> int:
+    """Print what a run did (and, with ``--verify``, what was checked); the exit code."""
+    for note in plan.notes:
+        print(f"note: {note}", file=sys.stderr)
+    print(result.describe())
+    if not args.verify:
+        return 0
+    from .verify import verify
+
+    checked = verify(plan, result.out)
+    print(checked.describe())
+    return 0 if checked.ok else 1
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
-    from .export import plan_export, run_export
+    from .export import plan_export
     from .progress import TqdmObserver
+    from .execute import run, run_distributed
 
     states = [s for s in (args.states or "").split(",") if s]
     plan = plan_export(args.path, args.out, tag=args.tag, format=args.format, dtype=args.dtype,
@@ -36,42 +52,33 @@ def _cmd_export(args: argparse.Namespace) -> int:
     if args.plan:
         print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.describe())
         return 0
+    observer = None if args.quiet else TqdmObserver("export")
     if args.distributed:
-        from .export.distributed import run_export_distributed
-
-        result = run_export_distributed(plan, observer=None if args.quiet else TqdmObserver("export"))
+        result = run_distributed(plan, observer=observer)
+        if os.environ.get("RANK", "0") != "0":
+            return 0
     else:
-        result = run_export(plan, observer=None if args.quiet else TqdmObserver("export"))
-    if result is not None and os.environ.get("RANK", "0") == "0":
-        print(f"wrote {len(result.files)} files, {result.bytes_written:,} bytes to {result.out} "
-              f"in {result.seconds:.1f} s (read {result.bytes_read:,} bytes)")
-    return 0
+        result = run(plan, observer=observer)
+    return _finish(args, plan, result)
 
 
 def _cmd_reshard(args: argparse.Namespace) -> int:
     from .progress import TqdmObserver
-    from .reshard import plan_reshard, reshard
+    from .reshard import plan_reshard, plan_universal
+    from .execute import run
 
     if args.universal:
-        from .reshard.universal import plan_universal, write_universal
-
         plan = plan_universal(args.path, args.out, tag=args.tag, overwrite=args.overwrite, workers=args.workers)
-        run = write_universal
     else:
         if args.world_size is None:
             raise CkptError("--world-size is required (or --universal for a size-independent checkpoint)")
         plan = plan_reshard(args.path, args.out, args.world_size, tag=args.tag, overwrite=args.overwrite,
                             workers=args.workers)
-        run = reshard
     if args.plan:
         print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.describe())
         return 0
     result = run(plan, observer=None if args.quiet else TqdmObserver("reshard"))
-    for note in getattr(plan, "notes", []):
-        print(f"note: {note}", file=sys.stderr)
-    print(f"wrote {len(result.files)} files, {result.bytes_written:,} bytes to {result.out} "
-          f"in {result.seconds:.1f} s (read {result.bytes_read:,} bytes)")
-    return 0
+    return _finish(args, plan, result)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="output folder (created; must be empty unless --overwrite)")
     p.add_argument("--tag", help="tag to export (default: the one 'latest' names)")
     p.add_argument("--format", choices=["safetensors", "torch"], default="safetensors")
-    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+    p.add_argument("--dtype", choices=list(OUTPUT_DTYPES), default="fp32",
                    help="dtype of parameters and floating buffers (integer buffers stay exact)")
     p.add_argument("--max-shard-size", default="5GB", help="shard limit, decimal units like 5GB or 500MB")
     p.add_argument("--exclude-frozen", action="store_true", help="leave out frozen parameters")
@@ -99,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="with --plan: print the plan as JSON")
     p.add_argument("--distributed", action="store_true",
                    help="under torchrun: every rank writes its share of the shards (gloo)")
+    p.add_argument("--verify", action="store_true",
+                   help="re-read the output and compare every tensor with the checkpoint, bit for bit (exit 1 if any "
+                        "differs)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_export)
 
@@ -116,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=None,
                    help="files written at a time, each thread with its own 48 MiB of buffers "
                         "(default: 2 with 2+ cores)")
+    p.add_argument("--verify", action="store_true",
+                   help="re-open the output and compare every master, optimizer state, frozen parameter and buffer "
+                        "with the source, bit for bit (exit 1 if any differs)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_reshard)
     return parser

@@ -9,6 +9,7 @@ small hierarchy so callers can catch :class:`CkptError` for everything, or a spe
   - :class:`UnsupportedCheckpointError` — a real checkpoint of a kind ckptlib cannot handle (yet).
   - :class:`UnsafeCheckpointError` — a pickle asks for code ckptlib will not run.
   - :class:`OutputError` — a problem with the output location (exists, inside the source, disk full).
+  - :class:`Cancelled` — the user stopped an operation; nothing was written.
 """
 from __future__ import annotations
 
@@ -67,3 +68,9 @@ class OutputError(CkptError, OSError):
     """The output location cannot be used (not empty, inside the source, not writable, disk full)."""
 
     default_hint = "choose another output folder"
+
+
+class Cancelled(CkptError):
+    """The operation was cancelled; nothing was written to the destination."""
+
+    default_hint = "run it again to finish it; no output was created"

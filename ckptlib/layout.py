@@ -23,6 +23,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from .ranges import Zeros  # runs of padding in re-sliced partitions
+
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
@@ -41,13 +43,6 @@ class Piece:
     group: int
     rank_start: int
     param_start: int
-    count: int
-
-
-@dataclass(frozen=True)
-class Zeros:
-    """``count`` zero elements (partition padding) in a re-sliced partition."""
-
     count: int
 
 

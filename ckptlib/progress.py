@@ -7,14 +7,9 @@ Long operations call an :class:`Observer`; the library itself never imports ``tq
 """
 from __future__ import annotations
 
-import threading
 from typing import Any, Optional
 
-from .errors import CkptError
-
-
-class Cancelled(CkptError):
-    """The operation was cancelled; nothing was written to the destination."""
+from .errors import Cancelled
 
 
 class Observer:
@@ -52,7 +47,7 @@ class TqdmObserver(Observer):
     def on_start(self, plan):
         from tqdm import tqdm
 
-        self.bar = tqdm(total=getattr(plan, "write_bytes", None), unit="B", unit_scale=True, desc=self.desc,
+        self.bar = tqdm(total=plan.write_bytes, unit="B", unit_scale=True, desc=self.desc,
                         disable=self.disable)
 
     def on_bytes(self, done, total):
@@ -75,6 +70,7 @@ class TqdmObserver(Observer):
         self._close()
 
 
-def check_cancel(cancel: Optional[threading.Event]) -> None:
+def check_cancel(cancel: Any) -> None:
+    """Raise :class:`~ckptlib.errors.Cancelled` if ``cancel`` (anything with ``is_set()``) is set."""
     if cancel is not None and cancel.is_set():
         raise Cancelled("cancelled by the user; nothing was written to the destination")

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from .deepspeed import Checkpoint
+from .units import human_bytes
 
 
 def describe(ckpt: Checkpoint) -> dict[str, Any]:
@@ -27,7 +28,7 @@ def describe(ckpt: Checkpoint) -> dict[str, Any]:
         "partition_count": ckpt.partition_count,
         "dtype": ckpt.dtype,
         "deepspeed_version": ckpt.deepspeed_version,
-        "quirks": list(getattr(ckpt, "quirks", [])),
+        "quirks": list(ckpt.quirks),
         "optimizer": None if opt is None else {
             "wrapper": opt.wrapper,
             "state_keys": list(opt.state_keys),
@@ -52,14 +53,6 @@ def describe(ckpt: Checkpoint) -> dict[str, Any]:
         "problems": list(ckpt.problems),
         "notes": list(ckpt.notes),
     }
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n} B"
 
 
 def format_text(ckpt: Checkpoint) -> str:

@@ -79,6 +79,8 @@ def test_export_is_bit_exact_and_loads_strict(ds_fixture, fmt, tmp_path):
             FixtureNet("large" if fx["name"].startswith("large") else "small").load_state_dict(sd, strict=True)
         if fmt == "torch":  # each shard holds only its own tensors' bytes
             for name, _ in res.files:
+                if name.endswith(".index.json"):
+                    continue
                 for t in torch.load(out / name, weights_only=True).values():
                     assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
                 assert os.path.getsize(out / name) < _tensor_bytes(out / name, fmt) + 4096 + 200 * 30

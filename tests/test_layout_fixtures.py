@@ -1,7 +1,8 @@
 """The pure layout arithmetic reproduces what DeepSpeed itself recorded in every real fixture."""
 import ckptlib
-from ckptlib.deepspeed.checkpoint import BF16_OPTIMIZER, NO_ZERO
+from ckptlib.deepspeed import BF16_OPTIMIZER, NO_ZERO
 from ckptlib.layout import chunk_size, zero3_sub_groups
+from ckptlib.mesh import Rank
 
 
 def test_layout_matches_deepspeeds_own_records(ds_fixture):
@@ -15,7 +16,7 @@ def test_layout_matches_deepspeeds_own_records(ds_fixture):
         if ck.zero_stage == 3:
             lay = ck.layouts[0]
             sgs = int(float((ck.ds_config.get("zero_optimization") or {}).get("sub_group_size", 1e9)))
-            osd = ck._optim[0]
+            osd = ck.optimizer_state_dict(Rank(dp=0))
             for group in osd["optimizer_state_dict"]["param_groups"]:
                 subs = group["params"]
                 params = [s for k in subs for s in lay.slots if s.sub_group == k]
@@ -23,16 +24,16 @@ def test_layout_matches_deepspeeds_own_records(ds_fixture):
                 assert [[params[i].name for i in c] for c in cut] == \
                     [[s.name for s in lay.slots if s.sub_group == k] for k in subs]
             for r in range(n):
-                flats = ck._optim[r]["fp32_flat_groups"]
+                flats = ck.optimizer_state_dict(Rank(dp=r))["fp32_flat_groups"]
                 assert [t.numel for t in flats] == list(lay.sub_group_sizes)
-                frags = ck.model_states_file(r).obj.get("frozen_param_fragments") or {}
+                frags = ck.model_states_file(Rank(dp=r)).obj.get("frozen_param_fragments") or {}
                 for name, t in frags.items():
                     assert t.numel == chunk_size(ck.param(name).numel, n)
             return
         round_robin = bool((ck.ds_config.get("zero_optimization") or {}).get("round_robin_gradients"))
         rr_mismatch = False
         for r in range(n):
-            osd = ck._optim[r]
+            osd = ck.optimizer_state_dict(Rank(dp=r))
             for g, lay in enumerate(ck.layouts):
                 assert lay.padded_total % (2 * n) == 0
                 fp32 = osd["single_partition_of_fp32_groups"][g]

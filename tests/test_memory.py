@@ -13,7 +13,7 @@ import pytest
 import ckptlib
 from ckptlib import memory as mem
 from ckptlib.memory import (MemoryReport, MemorySampler, ProcessMemory, SystemMemory, cgroup_memory, memory_verdict,
-                            plot_memory, process_memory, system_memory)
+                            process_memory, system_memory)
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "samples" / "zero2_bf16_w2" / "ckpt"
@@ -208,13 +208,15 @@ def test_memory_verdict_takes_a_plan(tmp_path):
 # ------------------------------------------------------------------------------------------ plot
 def test_plot_memory_png():
     pytest.importorskip("matplotlib")
+    from ckptlib.ui.plots import memory_figure, plot_memory
+
     s = MemorySampler()
     for _ in range(5):
         s.sample()
     png = plot_memory(s.snapshot(), predicted=48 * MIB, available=2**30)
     assert png.startswith(PNG) and len(png) > 5000
     assert plot_memory([]).startswith(PNG)
-    fig = mem.memory_figure(s.snapshot())
+    fig = memory_figure(s.snapshot())
     assert fig._repr_png_().startswith(PNG)  # shows itself as a PNG in a notebook
 
 

@@ -4,6 +4,7 @@ import glob
 import pytest
 import torch
 
+from ckptlib.ranges import Zeros
 from ckptlib.torchzip import open_torch_file
 from ckptlib.torchzip.writer import NewTensor, save
 
@@ -80,7 +81,7 @@ import zlib  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from ckptlib.streaming import WriteBehind  # noqa: E402
+from ckptlib.sinks import WriteBehind  # noqa: E402
 from ckptlib.torchzip.zipfmt import crc32_combine  # noqa: E402
 
 
@@ -155,10 +156,12 @@ def test_storage_copies_keep_the_source_crc_and_equal_the_streamed_copy(ds_fixtu
     assert sorted(v for v in src_crcs.values()) == sorted(v for v in out_crcs.values())
 
 
-def test_a_producer_writing_the_wrong_amount_is_an_error(tmp_path):
-    short = NewTensor(torch.float32, (4,), lambda write: write(memoryview(bytes(12))))
-    with pytest.raises(ValueError, match="wrote 12 bytes instead of 16"):
+def test_new_tensor_bytes_must_match_its_shape(tmp_path):
+    short = NewTensor(torch.float32, (4,), data=bytes(12))  # inline bytes: 12 where 16 are needed
+    with pytest.raises(ValueError, match="came to 12 instead of 16"):
         save({"x": short}, tmp_path / "bad.pt")
+    with pytest.raises(ValueError, match="needs 4 elements; its ranges hold 3"):
+        NewTensor("float32", (4,), ranges=(Zeros(3),))
 
 
 @pytest.mark.parametrize("window,lag", [(1, 0), (100, 1), (16 * 2**20, 2)])
@@ -177,10 +180,10 @@ def test_write_behind_keeps_every_byte(tmp_path, window, lag):
 
 @pytest.mark.parametrize("setting,expect_calls", [("1", True), ("0", False)])
 def test_write_behind_hands_windows_to_the_disk_unless_turned_off(tmp_path, monkeypatch, setting, expect_calls):
-    import ckptlib.streaming as streaming
+    import ckptlib.sinks as sinks
 
     calls = []
-    monkeypatch.setattr(streaming, "_sync_file_range", lambda fd, off, n, flags: calls.append((off, n, flags)))
+    monkeypatch.setattr(sinks, "_sync_file_range", lambda fd, off, n, flags: calls.append((off, n, flags)))
     monkeypatch.setenv("CKPTLIB_WRITE_BEHIND", setting)
     fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
     wb = WriteBehind(fd, window=1000, lag=2)

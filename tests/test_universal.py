@@ -35,7 +35,7 @@ import torch
 import ckptlib
 from ckptlib.layout import zero3_sub_groups
 from ckptlib.reshard import reshard
-from ckptlib.reshard.universal import LATEST_UNIVERSAL, plan_universal, write_universal
+from ckptlib.reshard import LATEST_UNIVERSAL, plan_universal, write_universal
 from ckptlib.progress import Observer
 from ckptlib.torchzip import Standin, TensorHandle, open_torch_file
 from tests.fixtures.compare import (FP32_ATOL, HALF_RTOL, assert_masters_and_moments_equal, continuation_error,
@@ -363,7 +363,7 @@ def _plain(x):
     if isinstance(x, TensorHandle):
         return ("tensor", x.dtype, tuple(x.shape), x.read().reshape(-1).tolist())
     if isinstance(x, Standin):
-        return (type(x)._qualname, _plain(x.to_dict()))
+        return (type(x).qualname, _plain(x.to_dict()))
     if isinstance(x, dict):
         return {k: _plain(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
@@ -517,7 +517,7 @@ def test_no_temporary_files_and_bounded_buffers(fixture_by_name, tmp_path):
 def test_memory_is_bounded_by_the_buffers_not_the_parameters(fixture_by_name, tmp_path):
     """256 KiB chunks: the process grows far less than the largest parameter (8.4 MB as fp32 here)."""
     fx = fixture_by_name("large_w2")
-    grown = anon_growth("ckptlib.reshard.universal.write_universal", fx["checkpoint_path"], tmp_path,
+    grown = anon_growth("ckptlib.reshard.write_universal", fx["checkpoint_path"], tmp_path,
                         chunk_bytes=1 << 18)
     largest = max(p.numel() * 4 for p in build_model("large", seed=0).parameters())
     assert grown < largest / 2, (grown, largest)
@@ -575,10 +575,10 @@ def test_refusals(fixture_by_name, tmp_path):
 
 
 def test_a_hostile_parameter_name_cannot_leave_the_output(fixture_by_name, tmp_path):
-    from ckptlib.reshard.universal import _check_name
+    from ckptlib.reshard.universal import check_name
 
     ck = ckptlib.open_checkpoint(fixture_by_name("z2_bf16_w2")["checkpoint_path"])
     for bad in ("../escape", "a/b", "..", "", "optimizer_state.pt"):
         with pytest.raises(ckptlib.UnsupportedCheckpointError):
-            _check_name(bad, ck)
-    _check_name("model.layers.0.weight", ck)
+            check_name(bad, ck)
+    check_name("model.layers.0.weight", ck)

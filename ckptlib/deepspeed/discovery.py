@@ -82,6 +82,41 @@ def list_hf_checkpoints(folder: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(_HF_CHECKPOINT.match(p.name).group(1)))
 
 
+@dataclass
+class Detected:
+    """What a folder looks like, from its names alone (no file is opened; for browsing).
+
+    ``kind``: ``"checkpoint"`` (holds ``latest`` or tag folders), ``"tag"`` (holds DeepSpeed's
+    ``*_model_states.pt`` / ``*_optim_states.pt``), ``"training-output"`` (holds ``checkpoint-N``
+    folders) or ``"folder"``. ``tags`` are in natural order, ``checkpoints`` oldest first.
+    """
+
+    path: Path
+    kind: str
+    tags: list = field(default_factory=list)
+    latest: Optional[str] = None
+    checkpoints: list = field(default_factory=list)
+
+
+def detect(path: str | os.PathLike) -> Detected:
+    """Recognise a checkpoint (``latest`` file, tag folders), a tag folder or a training output folder,
+    the same way :func:`locate` does."""
+    path = Path(path)
+    if is_tag_dir(path):
+        return Detected(path, "tag")
+    try:
+        latest = read_latest(path)
+    except OSError:
+        return Detected(path, "folder")
+    tags = list_tags(path)
+    if latest is not None or tags:
+        return Detected(path, "checkpoint", tags=tags, latest=latest[:200] if latest else latest)
+    hf = list_hf_checkpoints(path)
+    if hf:
+        return Detected(path, "training-output", checkpoints=[d.name for d in hf])
+    return Detected(path, "folder")
+
+
 def locate(path: str | os.PathLike, tag: Optional[str] = None) -> Location:
     """Resolve ``path`` (and ``tag``) to one checkpoint; raises :class:`NotACheckpointError`."""
     given = Path(path).expanduser()

@@ -6,13 +6,18 @@ import threading
 from typing import Optional, Union
 
 from ..deepspeed import Checkpoint
+from ..plan import PlannedTensor, WeightsFile
 from ..progress import Observer
-from .plan import ExportPlan, PlannedFile, PlannedTensor, parse_size, plan_export
-from .run import ExportResult, run_export
+from ..execute import RunResult, run
+from ..units import parse_size
+from .plan import ExportPlan, plan_export
+
+ExportResult = RunResult
+PlannedFile = WeightsFile
 
 
 def export(checkpoint: Union[Checkpoint, str, os.PathLike, ExportPlan], out: Union[str, os.PathLike, None] = None,
-           *, observer: Optional[Observer] = None, cancel: Optional[threading.Event] = None, **options) -> ExportResult:
+           *, observer: Optional[Observer] = None, cancel: Optional[threading.Event] = None, **options) -> RunResult:
     """Export consolidated fp32 (or bf16/fp16) weights in the Hugging Face layout.
 
     Args:
@@ -22,12 +27,12 @@ def export(checkpoint: Union[Checkpoint, str, os.PathLike, ExportPlan], out: Uni
         cancel: set this event to stop; nothing is left behind.
         **options: as for :func:`plan_export` (``format``, ``dtype``, ``max_shard_size``, ``states``, ...).
 
-    Memory: bounded by ``plan.predicted_peak_bytes`` per process (two streaming buffers of
+    Memory: bounded by ``plan.predicted_peak_bytes`` per process (three streaming buffers of
     ``chunk_bytes`` plus a small fixed allowance), whatever the size of the model or of its largest
-    tensor. The source is only read; the output appears atomically.
+    tensor. The source is only read; the output appears atomically. The result carries ``memory``.
     """
     plan = checkpoint if isinstance(checkpoint, ExportPlan) else plan_export(checkpoint, out, **options)
-    return run_export(plan, observer=observer, cancel=cancel)
+    return run(plan, observer=observer, cancel=cancel)
 
 
 __all__ = ["export", "plan_export", "ExportPlan", "ExportResult", "PlannedFile", "PlannedTensor", "parse_size"]

@@ -82,43 +82,41 @@ files, cut the same wrong way at save, happen to load right at the saving size o
 from __future__ import annotations
 
 import os
-import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, ClassVar, Optional, Union
 
-import torch
-
-from ..deepspeed import Checkpoint, open_checkpoint
+from ..deepspeed import NO_ZERO, Checkpoint, open_checkpoint
 from ..deepspeed import files as fnames
-from ..deepspeed.checkpoint import NO_ZERO
-from ..errors import CkptError, IncompleteCheckpointError, UnsupportedCheckpointError
-from ..progress import Observer
+from ..errors import IncompleteCheckpointError, UnsupportedCheckpointError
+from ..mesh import Rank
+from ..plan import CopyFile, Plan, TextFile
 from ..streaming import DEFAULT_CHUNK_BYTES
-from ..summary import human_bytes
 from ..torchzip import TensorHandle
-from . import TargetFile, _tree_bytes
-from .build import StreamContext, TargetPlan, _replace, copied, streamed
-from .write import default_workers, write_plan
+from ..units import human_bytes
+from .plan import default_workers
+from .trees import copied, replace, streamed, tree_file
 
 UNIVERSAL_SUFFIX = "_universal"
 LATEST_UNIVERSAL = "latest_universal"
 # what ds_to_universal leaves out of zero/optimizer_state.pt for ZeRO-1/2 (the partitioned entries)
-_ZERO12_PARTITIONED = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
+ZERO12_PARTITIONED = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
 
 
 @dataclass(kw_only=True)
-class UniversalPlan(TargetPlan):
-    """What :func:`write_universal` will write, computed from metadata. See :func:`plan_universal`."""
+class UniversalPlan(Plan):
+    """What writing the universal checkpoint will do, computed from metadata (plain data). See
+    :func:`plan_universal`."""
 
+    action: ClassVar[str] = "universal"
     universal_tag: str
 
     def to_dict(self) -> dict:
-        ck = self.checkpoint
+        src = self.source
         return {
-            "source": str(ck.location.tag_dir), "out": str(self.out), "tag": ck.location.tag,
-            "universal_tag": self.universal_tag, "zero_stage": ck.zero_stage, "flavor": ck.flavor,
-            "from_world_size": ck.partition_count,
+            "source": src.tag_dir, "out": str(self.out), "tag": src.tag,
+            "universal_tag": self.universal_tag, "zero_stage": src.zero_stage, "flavor": src.flavor,
+            "from_world_size": src.partition_count,
             "files": [{"name": f.name, "kind": f.kind, "source_ranks": f.source_ranks, "read_bytes": f.read_bytes,
                        "write_bytes": f.write_bytes} for f in self.files],
             "read_bytes": self.read_bytes, "write_bytes": self.write_bytes,
@@ -126,54 +124,28 @@ class UniversalPlan(TargetPlan):
         }
 
     def describe(self) -> str:
-        ck = self.checkpoint
+        src = self.source
         params = sum(1 for f in self.files if f.kind == "param_state" and f.name.endswith("/fp32.pt"))
-        lines = [f"universal checkpoint of {ck.location.tag_dir}",
+        lines = [f"universal checkpoint of {src.tag_dir}",
                  f"     -> {self.out}/{self.universal_tag}  (+ {LATEST_UNIVERSAL})",
-                 f"ZeRO {ck.zero_stage} ({ck.flavor}), {ck.dtype}, saved by {ck.partition_count} ranks; "
+                 f"ZeRO {src.zero_stage} ({src.flavor}), {src.dtype}, saved by {src.partition_count} ranks; "
                  "DeepSpeed loads it at any data-parallel size with \"checkpoint\": {\"load_universal\": true}",
-                 f"reads {human_bytes(self.read_bytes)} of {human_bytes(ck.total_bytes)}; writes "
-                 f"{human_bytes(self.write_bytes)} in {len(self.files) + 1} files ({params} parameters); "
-                 "no temporary files",
-                 f"predicted peak memory: {human_bytes(self.predicted_peak_bytes)} ({self.workers} writing "
-                 "thread(s), 3 streaming buffers each; independent of the model size)"]
+                 *self.summary_lines(), f"{params} parameters; no temporary files"]
         for f in self.files:
             if f.kind != "param_state":
                 lines.append(f"  {f.name:<60} {human_bytes(f.write_bytes):>10}")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
-    def _repr_pretty_(self, p, cycle):
-        p.text(self.describe())
-
-
-@dataclass
-class UniversalResult:
-    out: Path
-    universal_tag: str
-    files: list
-    seconds: float
-    bytes_read: int
-    bytes_written: int
-    plan: Optional[UniversalPlan] = field(default=None, repr=False)
-
 
 # ---------------------------------------------------------------------------------------------- planning
-def _check_name(name: str, ck: Checkpoint) -> None:
+def check_name(name: str, ck: Checkpoint) -> None:
     """A parameter name becomes a folder name: refuse anything that could leave zero/ or clash."""
     bad = (not name or name in (".", "..", "optimizer_state.pt") or "/" in name or "\\" in name or "\0" in name
            or name != name.strip())
     if bad:
         raise UnsupportedCheckpointError(f"parameter name {name!r} cannot be a folder name of a universal checkpoint",
                                          path=ck.location.tag_dir)
-
-
-def _shaped(ranges: list, shape: tuple, ctx: StreamContext, requires_grad: bool) -> Any:
-    """A new tensor of ``shape`` made of ``ranges`` (in their dtype), streamed when written."""
-    dtype = ranges[0].handle.dtype if ranges else torch.float32
-    t = streamed(dtype, ranges, ctx, requires_grad=requires_grad)
-    t.shape = tuple(shape)
-    return t
 
 
 def _equal(a: Any, b: Any) -> bool:
@@ -190,11 +162,10 @@ class _Source:
 
     def __init__(self, ck: Checkpoint):
         self.ck = ck
-        self.osd0 = ck.optim_states_file(0).obj["optimizer_state_dict"]
+        self.osd0 = ck.optimizer_state_dict(Rank())
         self.notes: list[str] = []
         if ck.zero_stage == 3:
-            inner = self.osd0["optimizer_state_dict"]
-            self.state = inner["state"]
+            self.state = self.osd0["optimizer_state_dict"]["state"]
             sizes = ck.layouts[0].sub_group_sizes
             self.group_numel = {k: sizes[k] for k in range(len(sizes))}
         else:
@@ -208,9 +179,8 @@ class _Source:
         self.keys: dict[int, list[str]] = {}
         other = set()
         for g, numel in self.group_numel.items():
-            st = self.state.get(g) or {}
             keys = []
-            for key, v in st.items():
+            for key, v in (self.state.get(g) or {}).items():
                 if key == "step":
                     continue
                 if isinstance(v, TensorHandle) and len(v.shape) == 1 and v.numel == numel:
@@ -228,11 +198,11 @@ class _Source:
     def step(self, group: int) -> Any:
         return (self.state.get(group) or {}).get("step")
 
-    def optimizer_state(self, ctx: StreamContext) -> Any:
+    def optimizer_state(self) -> Any:
         """The tree of zero/optimizer_state.pt."""
         osd0 = self.osd0
         if self.ck.zero_stage != 3:
-            out = type(osd0)((k, v) for k, v in osd0.items() if k not in _ZERO12_PARTITIONED)
+            out = type(osd0)((k, v) for k, v in osd0.items() if k not in ZERO12_PARTITIONED)
             out["param_groups"] = osd0["base_optimizer_state"]["param_groups"]
             return out
         inner = osd0["optimizer_state_dict"]
@@ -242,7 +212,7 @@ class _Source:
             for key, v in st.items():
                 if key in self.keys.get(k, ()):
                     continue  # per-element: lives in zero/<param>/<key>.pt
-                keep[key] = copied(v, ctx) if isinstance(v, TensorHandle) else v
+                keep[key] = copied(v) if isinstance(v, TensorHandle) else v
             state[k] = keep
         groups = list(inner["param_groups"])
         if len(groups) > 1:
@@ -254,70 +224,14 @@ class _Source:
                     "DeepSpeed's ZeRO-3 universal loader copies the first parameter group's hyper-parameters into "
                     f"every group; {', '.join(differ)} differ between the groups, so they are left out of that entry "
                     "and every group keeps the value its engine is configured with")
-        new_inner = _replace(inner, state=state, param_groups=groups)
         out = type(osd0)((k, v) for k, v in osd0.items() if k != "fp32_flat_groups")
-        out["optimizer_state_dict"] = new_inner
+        out["optimizer_state_dict"] = replace(inner, state=state, param_groups=groups)
         out["param_groups"] = inner["param_groups"]
         return out
 
 
-def plan_universal(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str, os.PathLike], *,
-                   tag: Optional[str] = None, overwrite: bool = False,
-                   chunk_bytes: int = DEFAULT_CHUNK_BYTES, workers: Optional[int] = None) -> UniversalPlan:
-    """Plan writing the universal checkpoint of a ZeRO-1/2/3 (or BF16_Optimizer) checkpoint (metadata only).
-
-    ``out`` is a new folder that DeepSpeed loads with ``engine.load_checkpoint(out)`` and
-    ``"checkpoint": {"load_universal": true}`` at any data-parallel size (see the module docstring for
-    the layout and what the loader reads). Memory: the plan (object trees whose tensors are not read yet).
-    """
-    ck = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, tag=tag)
-    ck._require_readable()
-    if ck.flavor == NO_ZERO:
-        raise UnsupportedCheckpointError(
-            "this checkpoint has no ZeRO partitioning (stage 0): DeepSpeed's universal loader only works with "
-            "ZeRO stages 1-3", path=ck.location.tag_dir,
-            hint="DeepSpeed loads a stage-0 checkpoint at any size as it is")
-    src = _Source(ck)
-    ctx = StreamContext()
-    utag = f"{ck.location.tag}{UNIVERSAL_SUFFIX}"
-    optimizer_state = src.optimizer_state(ctx)
-    notes = list(src.notes)
-    files: list[TargetFile] = []
-
-    def add(name: str, obj: Any, kind: str = "param_state", ranks: Optional[list] = None) -> None:
-        read, written = _tree_bytes(obj)
-        files.append(TargetFile(f"{utag}/zero/{name}", kind, None, ranks or [], read, written, obj))
-
-    skipped_frozen, tied = [], []
-    for p in ck.parameters:
-        if p.tied_to:
-            tied.append(p.name)
-            continue
-        _check_name(p.name, ck)
-        if not p.trainable:
-            try:
-                ranges = ck.sources(p.name)
-            except IncompleteCheckpointError:
-                skipped_frozen.append(p.name)  # saved with exclude_frozen_parameters
-                continue
-            add(f"{p.name}/fp32.pt", {"param": _as_fp32(ranges, p.shape, ctx)})  # as ds_to_universal
-            continue
-        ranks = sorted({pc.rank for pc in ck.pieces(p.name)})
-        fp32 = ck.sources(p.name)
-        rg = fp32[0].handle.requires_grad if fp32 else False
-        add(f"{p.name}/fp32.pt", {"cat_dim": 0, "param": _shaped(fp32, p.shape, ctx, rg)}, ranks=ranks)
-        for key in src.keys.get(p.group, []):
-            ranges = ck.sources(p.name, key)
-            rg = ranges[0].handle.requires_grad if ranges else False
-            add(f"{p.name}/{key}.pt", {"cat_dim": 0, "param": _shaped(ranges, p.shape, ctx, rg)}, ranks=ranks)
-        step = src.step(p.group)
-        if step is not None:
-            add(f"{p.name}/step.pt", copied(step, ctx) if isinstance(step, TensorHandle) else step)
-    add("optimizer_state.pt", optimizer_state, kind="optimizer_state")
-    for f in ck.files:
-        if f.kind == fnames.MODEL_STATES and (f.mp_rank or 0) == 0:
-            files.append(TargetFile(f"{utag}/{f.path.name}", "copy", f.dp_rank, [f.dp_rank] if f.dp_rank is not None
-                                    else [], f.bytes, f.bytes, source=f.path))
+def _notes(ck: Checkpoint, tied: list, skipped_frozen: list) -> list[str]:
+    notes = []
     if tied:
         notes.append(f"tied aliases ({', '.join(tied)}) get no folder: DeepSpeed loads them through their owners")
     if skipped_frozen:
@@ -339,42 +253,70 @@ def plan_universal(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[s
     skipped = [f.path.name for f in ck.files if f.kind not in (fnames.MODEL_STATES, fnames.OPTIM_STATES)]
     if skipped:
         notes.append(f"not carried over (the universal loader does not read them): {', '.join(skipped)}")
-    return UniversalPlan(checkpoint=ck, out=Path(out).expanduser().resolve(), universal_tag=utag, files=files,
-                         chunk_bytes=chunk_bytes, overwrite=overwrite, notes=notes,
-                         workers=workers or default_workers(), _ctx=ctx)
+    return notes
 
 
-def _as_fp32(ranges: list, shape: tuple, ctx: StreamContext) -> Any:
-    t = streamed(torch.float32, ranges, ctx)
-    t.shape = tuple(shape)
-    return t
+def plan_universal(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str, os.PathLike], *,
+                   tag: Optional[str] = None, overwrite: bool = False,
+                   chunk_bytes: int = DEFAULT_CHUNK_BYTES, workers: Optional[int] = None) -> UniversalPlan:
+    """Plan writing the universal checkpoint of a ZeRO-1/2/3 (or BF16_Optimizer) checkpoint (metadata only).
 
-
-# ---------------------------------------------------------------------------------------------- writing
-def write_universal(plan_or_checkpoint: Union[UniversalPlan, Checkpoint, str, os.PathLike],
-                    out: Union[str, os.PathLike, None] = None, observer: Optional[Observer] = None,
-                    cancel: Optional[threading.Event] = None, **options) -> UniversalResult:
-    """Write the universal checkpoint (``latest_universal`` and ``<tag>_universal/``) into ``out``.
-
-    Every tensor is streamed from the source ranges that make it through buffers of ``chunk_bytes``
-    (three per writing thread, ``plan.workers`` threads); nothing is written but the final files.
-    Memory: ``plan.predicted_peak_bytes`` (about 104 MiB with the defaults) whatever the model size.
-    The output appears atomically; the source is only read. ``options`` go to :func:`plan_universal` when a checkpoint (or path) is given.
+    ``out`` is a new folder that DeepSpeed loads with ``engine.load_checkpoint(out)`` and
+    ``"checkpoint": {"load_universal": true}`` at any data-parallel size (see the module docstring for
+    the layout and what the loader reads). Memory: the plan (object trees whose tensors are range
+    lists, not read yet).
     """
-    if isinstance(plan_or_checkpoint, UniversalPlan):
-        plan = plan_or_checkpoint
-    else:
-        if out is None:
-            raise CkptError("write_universal needs an output folder")
-        plan = plan_universal(plan_or_checkpoint, out, **options)
-    observer = observer or Observer()
-    seconds, read = write_plan(plan, observer, cancel, f"{plan.universal_tag}/zero",
-                               (LATEST_UNIVERSAL, plan.universal_tag))
-    result = UniversalResult(out=plan.out, universal_tag=plan.universal_tag,
-                             files=[(f.name, f.write_bytes) for f in plan.files] + [(LATEST_UNIVERSAL, 0)],
-                             seconds=seconds, bytes_read=read, bytes_written=plan.write_bytes, plan=plan)
-    observer.on_finish(result)
-    return result
+    ck = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, tag=tag)
+    ck.check_readable()
+    if ck.flavor == NO_ZERO:
+        raise UnsupportedCheckpointError(
+            "this checkpoint has no ZeRO partitioning (stage 0): DeepSpeed's universal loader only works with "
+            "ZeRO stages 1-3", path=ck.location.tag_dir,
+            hint="DeepSpeed loads a stage-0 checkpoint at any size as it is")
+    src = _Source(ck)
+    utag = f"{ck.location.tag}{UNIVERSAL_SUFFIX}"
+    optimizer_state = src.optimizer_state()
+    files: list = []
+
+    def add(name: str, obj: Any, kind: str = "param_state", ranks: Optional[list] = None) -> None:
+        files.append(tree_file(f"{utag}/zero/{name}", kind, obj, None, ranks))
+
+    skipped_frozen, tied = [], []
+    for p in ck.parameters:
+        if p.tied_to:
+            tied.append(p.name)
+            continue
+        check_name(p.name, ck)
+        if not p.trainable:
+            try:
+                ranges = ck.sources(p.name)
+            except IncompleteCheckpointError:
+                skipped_frozen.append(p.name)  # saved with exclude_frozen_parameters
+                continue
+            add(f"{p.name}/fp32.pt", {"param": streamed("float32", ranges, shape=tuple(p.shape))})  # as ds_to_universal
+            continue
+        ranks = sorted({pc.rank for pc in ck.pieces(p.name)})
+        rg = ck.partition_tensor(Rank(dp=ranks[0]), p.group).requires_grad if ranks else False
+        add(f"{p.name}/fp32.pt", {"cat_dim": 0, "param": streamed("float32", ck.sources(p.name), rg, tuple(p.shape))},
+            ranks=ranks)
+        for key in src.keys.get(p.group, []):
+            ranges = ck.sources(p.name, key)
+            h = ck.partition_tensor(Rank(dp=ranks[0]), p.group, key) if ranks else None
+            dtype = ranges[0].dtype if ranges else "float32"
+            add(f"{p.name}/{key}.pt", {"cat_dim": 0, "param": streamed(dtype, ranges, bool(h and h.requires_grad),
+                                                                        tuple(p.shape))}, ranks=ranks)
+        step = src.step(p.group)
+        if step is not None:
+            add(f"{p.name}/step.pt", copied(step) if isinstance(step, TensorHandle) else step)
+    add("optimizer_state.pt", optimizer_state, kind="optimizer_state")
+    for f in ck.files:
+        if f.kind == fnames.MODEL_STATES and (f.mp_rank or 0) == 0:
+            files.append(CopyFile(f"{utag}/{f.path.name}", os.fspath(f.path), f.bytes, rank=f.dp_rank,
+                                  source_ranks=[f.dp_rank] if f.dp_rank is not None else []))
+    return UniversalPlan(source=ck.source_ref(), out=Path(out).expanduser().resolve(), universal_tag=utag,
+                         files=files, finals=[TextFile(LATEST_UNIVERSAL, utag, kind="latest")],
+                         folders=[f"{utag}/zero"], chunk_bytes=chunk_bytes, overwrite=overwrite,
+                         notes=src.notes + _notes(ck, tied, skipped_frozen), workers=workers or default_workers())
 
 
-__all__ = ["plan_universal", "write_universal", "UniversalPlan", "UniversalResult", "LATEST_UNIVERSAL"]
+__all__ = ["plan_universal", "UniversalPlan", "LATEST_UNIVERSAL", "UNIVERSAL_SUFFIX", "check_name"]

@@ -1,72 +1,52 @@
 """Tensor handles: what a tensor in a checkpoint is, and where its bytes are, without its bytes.
 
 A :class:`TensorHandle` knows dtype, shape, stride, storage offset and the byte range of its storage
-in the file. Its ``read_*`` methods read just the requested elements with ``pread`` (no mmap), so
-reading a piece costs the memory of that piece and no file-backed resident memory.
+in the file. :meth:`TensorHandle.ranges` gives the plain byte ranges of any run of its elements (what
+plans hold); its ``read_*`` methods read just the requested elements with ``pread`` (no mmap) through
+the :class:`~ckptlib.torchzip.reader.TorchFile` it came from, so reading a piece costs the memory of
+that piece and no file-backed resident memory.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Optional
 
-import torch
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .reader import TorchFile
-
-DTYPE_BY_STORAGE: dict[str, torch.dtype] = {
-    "FloatStorage": torch.float32,
-    "DoubleStorage": torch.float64,
-    "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16,
-    "LongStorage": torch.int64,
-    "IntStorage": torch.int32,
-    "ShortStorage": torch.int16,
-    "CharStorage": torch.int8,
-    "ByteStorage": torch.uint8,
-    "BoolStorage": torch.bool,
-    "ComplexFloatStorage": torch.complex64,
-    "ComplexDoubleStorage": torch.complex128,
-}
-for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "uint16", "uint32", "uint64"):
-    if hasattr(torch, _name):
-        DTYPE_BY_STORAGE[_name] = getattr(torch, _name)
-
-#: short names used in summaries and JSON
-DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.float32: "float32", torch.float64: "float64", torch.float16: "float16", torch.bfloat16: "bfloat16",
-    torch.int64: "int64", torch.int32: "int32", torch.int16: "int16", torch.int8: "int8", torch.uint8: "uint8",
-    torch.bool: "bool", torch.complex64: "complex64", torch.complex128: "complex128",
-}
+from ..dtypes import itemsize as dtype_itemsize
+from ..dtypes import torch_dtype
+from ..ranges import StoredRange
+from .specs import StorageAddress, StoredTensor
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
-
-
-def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-@dataclass
+@dataclass(eq=False)
 class StorageRef:
-    """One storage record of a torch zip file: ``numel`` elements of ``dtype`` at ``data_offset``."""
+    """One storage record of an opened torch zip file: ``numel`` elements of ``dtype_name`` at
+    ``data_offset`` (see :class:`~ckptlib.torchzip.specs.StorageAddress`, its plain-data form)."""
 
-    file: "TorchFile"
+    file: Any  # the ckptlib.torchzip.reader.TorchFile it belongs to (reads go through it)
     key: str
-    dtype: torch.dtype
+    dtype_name: str
     numel: int
     data_offset: int  # absolute byte offset of element 0 in the file
     stored_bytes: int  # size of the zip member
     stored_crc: Optional[int] = None  # the CRC-32 the zip directory records for the member
 
     @property
+    def dtype(self):
+        """The torch dtype."""
+        return torch_dtype(self.dtype_name)
+
+    @property
     def nbytes(self) -> int:
-        return self.numel * itemsize(self.dtype)
+        return self.numel * dtype_itemsize(self.dtype_name)
+
+    @property
+    def address(self) -> StorageAddress:
+        return StorageAddress(self.file.path, self.key, self.dtype_name, self.numel, self.data_offset,
+                              self.stored_bytes, self.stored_crc)
 
 
-@dataclass
+@dataclass(eq=False)
 class TensorHandle:
     """A tensor inside a checkpoint file, known by its metadata only.
 
@@ -75,6 +55,7 @@ class TensorHandle:
         storage_offset, shape, stride: as in torch.
         requires_grad: as pickled (DeepSpeed's fp32 partitions carry ``True``).
         is_parameter: the pickle rebuilt an ``nn.Parameter``.
+        py_state: Python attributes pickled with the tensor (e.g. ZeRO-3's ``ds_id``).
     """
 
     storage: StorageRef
@@ -83,12 +64,17 @@ class TensorHandle:
     stride: tuple
     requires_grad: bool = False
     is_parameter: bool = False
-    py_state: Optional[dict] = None  # Python attributes pickled with the tensor (e.g. ZeRO-3 ``ds_id``)
+    py_state: Optional[dict] = None
 
     # ------------------------------------------------------------------ metadata
     @property
-    def dtype(self) -> torch.dtype:
+    def dtype(self):
+        """The torch dtype."""
         return self.storage.dtype
+
+    @property
+    def dtype_name(self) -> str:
+        return self.storage.dtype_name
 
     @property
     def numel(self) -> int:
@@ -96,7 +82,7 @@ class TensorHandle:
 
     @property
     def itemsize(self) -> int:
-        return itemsize(self.dtype)
+        return dtype_itemsize(self.storage.dtype_name)
 
     @property
     def nbytes(self) -> int:
@@ -119,43 +105,74 @@ class TensorHandle:
         start = self.storage.data_offset + self.storage_offset * self.itemsize
         return start, start + self.nbytes
 
-    def __repr__(self) -> str:
-        return (f"TensorHandle({dtype_name(self.dtype)}{list(self.shape)}, key={self.storage.key!r}, "
-                f"offset={self.storage_offset})")
+    def byte_offset(self, start: int = 0) -> int:
+        """Absolute file offset of flattened element ``start`` (contiguous tensors)."""
+        return self.storage.data_offset + (self.storage_offset + start) * self.itemsize
 
-    def _check_bounds(self):
+    def check_bounds(self) -> None:
+        """Raise ``ValueError`` if the tensor reaches outside its storage."""
         last = self.storage_offset + sum((s - 1) * st for s, st in zip(self.shape, self.stride)) if self.numel else 0
         if self.numel and (self.storage_offset < 0 or last >= self.storage.numel):
             raise ValueError(f"tensor {self!r} reaches outside its storage of {self.storage.numel} elements")
 
+    def ranges(self, start: int = 0, count: Optional[int] = None) -> list[StoredRange]:
+        """The stored byte ranges of elements ``[start, start+count)`` of the flattened tensor, in order
+        (one range when the tensor is contiguous; one per contiguous run otherwise). Metadata only."""
+        count = self.numel - start if count is None else count
+        if start < 0 or count < 0 or start + count > self.numel:
+            raise IndexError(f"element range [{start}, {start + count}) outside a tensor of {self.numel} elements")
+        self.check_bounds()
+        path, name, size = self.storage.file.path, self.storage.dtype_name, self.itemsize
+        if count == 0:
+            return []
+        if self.is_contiguous():
+            return [StoredRange(path, self.byte_offset(start), name, count)]
+        # contiguous runs: the longest suffix of dimensions laid out row-major
+        run, expected, k = 1, 1, len(self.shape)
+        while k > 0 and (self.shape[k - 1] == 1 or self.stride[k - 1] == expected):
+            run *= self.shape[k - 1]
+            expected *= self.shape[k - 1]
+            k -= 1
+        out, i, end = [], start, start + count
+        while i < end:
+            base, within = divmod(i, run)
+            offset = self.storage_offset + within  # within a run the elements are consecutive
+            for dim in range(k - 1, -1, -1):  # the run's place, from the indices of the outer dimensions
+                base, idx = divmod(base, self.shape[dim])
+                offset += idx * self.stride[dim]
+            n = min(run - within, end - i)
+            out.append(StoredRange(path, self.storage.data_offset + offset * size, name, n))
+            i += n
+        return out
+
+    def stored(self) -> StoredTensor:
+        """This tensor as a plain-data spec that the writer copies (storage and view as they are)."""
+        return StoredTensor(self.storage.address, self.storage_offset, tuple(self.shape), tuple(self.stride),
+                            self.requires_grad, dict(self.py_state) if self.py_state else None)
+
+    def __repr__(self) -> str:
+        return (f"TensorHandle({self.dtype_name}{list(self.shape)}, key={self.storage.key!r}, "
+                f"offset={self.storage_offset})")
+
     # ------------------------------------------------------------------ data
-    def read_flat(self, start: int = 0, count: Optional[int] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Read elements ``[start, start+count)`` of the flattened tensor as a 1-D tensor.
+    def read_flat(self, start: int = 0, count: Optional[int] = None, out=None):
+        """Read elements ``[start, start+count)`` of the flattened tensor as a 1-D torch tensor.
 
         Memory: ``count`` elements (into ``out`` if given: a 1-D tensor of this dtype and length
         ``count``, which is then returned). Only those bytes are read from the file.
         """
-        numel = self.numel
-        if count is None:
-            count = numel - start
-        if start < 0 or count < 0 or start + count > numel:
-            raise IndexError(f"element range [{start}, {start + count}) outside a tensor of {numel} elements")
-        self._check_bounds()
-        if self.is_contiguous():
-            return self.storage.file.read_elements(self.storage, self.storage_offset + start, count, out=out)
-        # Non-contiguous (rare in checkpoints): read the covering storage span, then gather.
-        lo = self.storage_offset
-        hi = lo + sum((s - 1) * st for s, st in zip(self.shape, self.stride)) + 1
-        span = self.storage.file.read_elements(self.storage, lo, hi - lo)
-        full = torch.as_strided(span, self.shape, self.stride, 0).reshape(-1)[start:start + count]
-        if out is not None:
-            out.copy_(full)
-            return out
-        return full.clone()
+        import torch
 
-    def byte_offset(self, start: int = 0) -> int:
-        """Absolute file offset of flattened element ``start`` (contiguous tensors)."""
-        return self.storage.data_offset + (self.storage_offset + start) * self.itemsize
+        count = self.numel - start if count is None else count
+        ranges = self.ranges(start, count)
+        if len(ranges) == 1:
+            return self.storage.file.read_range(ranges[0], out=out)
+        result = out if out is not None else torch.empty(count, dtype=self.dtype)
+        pos = 0
+        for r in ranges:
+            self.storage.file.read_range(r, out=result[pos:pos + r.count])
+            pos += r.count
+        return result
 
     def drop_cache(self, start: int = 0, count: Optional[int] = None) -> None:
         """Advise the kernel that elements ``[start, start+count)`` will not be read again (page cache)."""
@@ -163,6 +180,6 @@ class TensorHandle:
         if count > 0 and self.is_contiguous():
             self.storage.file.drop_cache(self.byte_offset(start), count * self.itemsize)
 
-    def read(self) -> torch.Tensor:
+    def read(self):
         """The whole tensor with its shape. Memory: its ``nbytes``."""
         return self.read_flat().reshape(self.shape)

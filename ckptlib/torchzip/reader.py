@@ -18,10 +18,10 @@ import zipfile
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import torch
-
+from ..dtypes import itemsize
 from ..errors import CkptError, IncompleteCheckpointError, UnsafeCheckpointError, UnsupportedCheckpointError
-from .handles import StorageRef, itemsize
+from ..ranges import StoredRange
+from .handles import StorageRef
 from .unpickler import SafeUnpickler
 
 _ZIP_MAGIC = b"PK\x03\x04"
@@ -191,7 +191,7 @@ class TorchFile:
         name_len, extra_len = fields[-2], fields[-1]
         return info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
 
-    def _resolve_storage(self, key: str, dtype: torch.dtype, numel: int) -> StorageRef:
+    def _resolve_storage(self, key: str, dtype: str, numel: int) -> StorageRef:
         ref = self._storages.get(key)
         if ref is not None:
             return ref
@@ -209,7 +209,7 @@ class TorchFile:
             raise IncompleteCheckpointError(
                 f"the file is truncated: storage {key} ends at byte {offset + info.file_size}, "
                 f"the file has {self.size}", path=self.path, hint="copy the file again or use another tag")
-        ref = StorageRef(file=self, key=key, dtype=dtype, numel=numel, data_offset=offset,
+        ref = StorageRef(file=self, key=key, dtype_name=dtype, numel=numel, data_offset=offset,
                          stored_bytes=info.file_size, stored_crc=info.CRC)
         self._storages[key] = ref
         return ref
@@ -227,38 +227,48 @@ class TorchFile:
         GLOBAL_STATS.add(len(data))
         return data
 
-    def read_elements(self, storage: StorageRef, start: int, count: int,
-                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Read ``count`` elements of ``storage`` from element ``start``; a 1-D tensor.
+    def read_range(self, r: StoredRange, out=None):
+        """Read the elements of range ``r`` (which must lie in this file) as a 1-D torch tensor.
 
-        Memory: the ``count`` elements (none extra when ``out`` is given).
+        Memory: the range's bytes (none extra when ``out`` is given: a contiguous 1-D tensor of the
+        range's dtype and length, which is then returned).
         """
-        size = itemsize(storage.dtype)
-        nbytes = count * size
+        import torch
+
+        from ..dtypes import torch_dtype
+
+        if r.path != self.path:
+            raise ValueError(f"the range lies in {r.path}, not in {self.path}")
+        dtype = torch_dtype(r.dtype)
+        nbytes = r.nbytes
         if out is None:
             buf = bytearray(nbytes)
             target = memoryview(buf)
         else:
-            if out.dtype != storage.dtype or out.numel() != count or not out.is_contiguous():
-                raise ValueError("out must be a contiguous tensor of the storage's dtype and `count` elements")
+            if out.dtype != dtype or out.numel() != r.count or not out.is_contiguous():
+                raise ValueError("out must be a contiguous tensor of the range's dtype and length")
             buf = None
-            target = memoryview(out.view(torch.uint8).numpy()) if count else memoryview(b"")
-        offset = storage.data_offset + start * size
-        done = 0
-        while done < nbytes:
-            n = os.preadv(self._fd, [target[done:]], offset + done)
-            if n <= 0:
-                raise IncompleteCheckpointError(
-                    f"unexpected end of file reading storage {storage.key} (file shrank or is truncated)",
-                    path=self.path)
-            done += n
-        self.stats.add(nbytes)
-        GLOBAL_STATS.add(nbytes)
+            target = memoryview(out.view(torch.uint8).numpy()) if r.count else memoryview(b"")
+        self.read_into(r.offset, target)
         if out is not None:
             return out
         if nbytes == 0:
-            return torch.empty(0, dtype=storage.dtype)
-        return torch.frombuffer(buf, dtype=storage.dtype)
+            return torch.empty(0, dtype=dtype)
+        return torch.frombuffer(buf, dtype=dtype)
+
+    def read_into(self, offset: int, target: memoryview) -> None:
+        """Fill ``target`` with the file's bytes from ``offset``; a short file is an
+        :class:`IncompleteCheckpointError` naming it."""
+        done, nbytes = 0, target.nbytes
+        while done < nbytes:
+            n = os.preadv(self.fileno(), [target[done:]], offset + done)
+            if n <= 0:
+                raise IncompleteCheckpointError(
+                    "unexpected end of file (the file shrank or is truncated)", path=self.path,
+                    hint="copy the file again or use another tag")
+            done += n
+        self.stats.add(nbytes)
+        GLOBAL_STATS.add(nbytes)
 
     def fileno(self) -> int:
         if self._fd is None:

@@ -25,63 +25,10 @@ from typing import Any, Callable
 
 import torch
 
+from ..dtypes import BY_NAME, BY_STORAGE_CLASS, name_of
 from ..errors import UnsafeCheckpointError
-from .handles import DTYPE_BY_STORAGE, StorageRef, TensorHandle
-
-
-# --------------------------------------------------------------------------------------------------
-# Inert stand-ins for DeepSpeed (and a few other) classes. They only hold the pickled attributes.
-class Standin:
-    """Base of the inert stand-ins: an attribute bag that remembers which class it replaces."""
-
-    _qualname = "object"
-
-    def __init__(self, *args, **kwargs):
-        self.args = args
-        self.__dict__.update(kwargs)
-
-    def __setstate__(self, state):
-        if isinstance(state, tuple) and len(state) == 2:  # (dict state, slot state)
-            state = {**(state[0] or {}), **(state[1] or {})}
-        if isinstance(state, dict):
-            self.__dict__.update(state)
-        else:
-            self.__dict__["state"] = state
-
-    def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={v!r}" for k, v in self.__dict__.items() if not k.startswith("_"))
-        return f"{self._qualname}({fields})"
-
-    def to_dict(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
-
-
-def _standin(qualname: str) -> type:
-    return type(qualname.rsplit(".", 1)[-1], (Standin,), {"_qualname": qualname})
-
-
-LossScaler = _standin("deepspeed.runtime.fp16.loss_scaler.LossScaler")
-DynamicLossScaler = _standin("deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler")
-Namespace = _standin("argparse.Namespace")
-
-
-class FragmentAddress(Standin):
-    """Stand-in for ``deepspeed.utils.tensor_fragment.fragment_address(numel, start)``."""
-
-    _qualname = "deepspeed.utils.tensor_fragment.fragment_address"
-
-    def __init__(self, numel=None, start=None):
-        self.numel = numel
-        self.start = start
-
-
-class ZeroStage(int):
-    """Stand-in for ``deepspeed.runtime.zero.config.ZeroStageEnum`` (an int enum)."""
-
-    _names = {0: "disabled", 1: "optimizer_states", 2: "gradients", 3: "weights", 4: "max_stage"}
-
-    def __repr__(self) -> str:
-        return f"ZeroStageEnum.{self._names.get(int(self), int(self))}"
+from .handles import StorageRef, TensorHandle
+from .standins import DynamicLossScaler, FragmentAddress, LossScaler, Namespace, Standin, ZeroStage
 
 
 # --------------------------------------------------------------------------------------------------
@@ -181,7 +128,11 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ("deepspeed.utils.tensor_fragment", "fragment_address"): FragmentAddress,
 }
 
-_TORCH_DTYPES = {str(d).split(".", 1)[1]: d for d in DTYPE_BY_STORAGE.values()}
+class StorageClass(str):
+    """What a pickle's ``torch.FloatStorage`` (a legacy typed storage class) resolves to: the dtype name."""
+
+
+_STORAGE_CLASSES = {cls: StorageClass(d.name) for cls, d in BY_STORAGE_CLASS.items()}
 
 
 class SafeUnpickler(pickle.Unpickler):
@@ -189,12 +140,12 @@ class SafeUnpickler(pickle.Unpickler):
 
     Args:
         file: a binary file object positioned at the pickle.
-        storage_resolver: called with ``(key, dtype, numel)`` for each storage the pickle refers to;
+        storage_resolver: called with ``(key, dtype name, numel)`` for each storage the pickle refers to;
             returns the :class:`StorageRef` that tensor handles will point at.
         source: the file name used in error messages.
     """
 
-    def __init__(self, file: io.BufferedIOBase, storage_resolver: Callable[[str, torch.dtype, int], StorageRef],
+    def __init__(self, file: io.BufferedIOBase, storage_resolver: Callable[[str, str, int], StorageRef],
                  source: str):
         super().__init__(file)
         self._resolve = storage_resolver
@@ -205,10 +156,10 @@ class SafeUnpickler(pickle.Unpickler):
         if found is not None:
             return found
         if module == "torch":
-            if name in DTYPE_BY_STORAGE:  # legacy typed storage classes, e.g. torch.FloatStorage
-                return DTYPE_BY_STORAGE[name]
-            if name in _TORCH_DTYPES:
-                return _TORCH_DTYPES[name]
+            if name in _STORAGE_CLASSES:  # legacy typed storage classes, e.g. torch.FloatStorage
+                return _STORAGE_CLASSES[name]
+            if name in BY_NAME and hasattr(torch, name):  # dtypes (torch pickles newer dtypes as storage types)
+                return getattr(torch, name)
         raise UnsafeCheckpointError(
             f"the pickle refers to the global '{module}.{name}', which ckptlib does not load "
             "(it only allows torch tensors, plain containers and the DeepSpeed classes of checkpoints)",
@@ -220,6 +171,10 @@ class SafeUnpickler(pickle.Unpickler):
         if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage"):
             raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
         _, dtype, key, _location, numel = pid[:5]
-        if not isinstance(dtype, torch.dtype):
+        if isinstance(dtype, StorageClass):
+            name = str(dtype)
+        elif isinstance(dtype, torch.dtype):
+            name = name_of(dtype)
+        else:
             raise pickle.UnpicklingError(f"storage of unknown type {dtype!r}")
-        return self._resolve(str(key), dtype, int(numel))
+        return self._resolve(str(key), name, int(numel))

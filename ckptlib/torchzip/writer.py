@@ -1,12 +1,13 @@
 """Write torch zip files (what ``torch.save`` writes) from an object tree, streaming tensor bytes.
 
 The object tree may hold plain values and containers, the inert stand-ins of
-:mod:`~ckptlib.torchzip.unpickler`, :class:`~ckptlib.torchzip.handles.TensorHandle` s read from another
-file (their storages are copied byte for byte, so views and shared storages stay as they were) and
-:class:`NewTensor` s whose bytes a producer streams in. The pickle is emitted opcode by opcode, naming
-only torch's rebuild function, storage classes, ``collections.OrderedDict``, ``torch.Size``/``device``/
-dtypes and the original names of the stand-ins, so DeepSpeed loads what ckptlib writes and ckptlib's
-own reader reads it back. Nothing is imported to write a name.
+:mod:`~ckptlib.torchzip.standins` and tensors given as plain-data specs (:mod:`~ckptlib.torchzip.specs`):
+:class:`StoredTensor` s (and :class:`~ckptlib.torchzip.handles.TensorHandle` s, the same thing while a
+file is open), whose storages are copied byte for byte so views and shared storages stay as they were,
+and :class:`NewTensor` s, whose bytes are streamed from their range lists. The pickle is emitted opcode
+by opcode, naming only torch's rebuild function, storage classes, ``collections.OrderedDict``,
+``torch.Size``/``device``/dtypes and the original names of the stand-ins, so DeepSpeed loads what
+ckptlib writes and ckptlib's own reader reads it back. Nothing is imported to write a name.
 
 Memory: the pickle plus the streaming buffers (:class:`~ckptlib.streaming.ChunkBuffers`); tensors are
 never held whole.
@@ -14,56 +15,25 @@ never held whole.
 from __future__ import annotations
 
 import collections
-import math
 import os
 import struct
 import zlib
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-import torch
+from ..dtypes import BY_NAME, lookup
+from ..ranges import StoredRange
+from ..sinks import PwriteSink, WriteBehind, pwrite_all
+from ..sources import SourceFiles
+from ..streaming import ChunkBuffers, copy_ranges
+from .handles import TensorHandle
+from .specs import NewTensor, StorageAddress, StoredTensor
+from .standins import FragmentAddress, Standin, ZeroStage
+from .trees import as_specs, walk_tensors
+from .zipfmt import ALIGN, ZIP64_LIMIT, central_directory, layout_records, local_header
 
-from .handles import StorageRef, TensorHandle
-from .unpickler import FragmentAddress, Standin, ZeroStage
-from .zipfmt import ALIGN, ZIP64_LIMIT, layout_records, local_header, central_directory
-
-STORAGE_CLASS = {
-    torch.float64: "DoubleStorage", torch.float32: "FloatStorage", torch.float16: "HalfStorage",
-    torch.bfloat16: "BFloat16Storage", torch.int64: "LongStorage", torch.int32: "IntStorage",
-    torch.int16: "ShortStorage", torch.int8: "CharStorage", torch.uint8: "ByteStorage", torch.bool: "BoolStorage",
-    torch.complex64: "ComplexFloatStorage", torch.complex128: "ComplexDoubleStorage",
-}
 COPY_BYTES = 8 * 2**20
-
-
-@dataclass(eq=False)
-class NewTensor:
-    """A contiguous tensor to be written, whose bytes ``producer(sink)`` streams in order.
-
-    ``producer`` is called with a :class:`~ckptlib.streaming.PwriteSink` (callable as
-    ``sink(memoryview)``; ``sink.write`` also takes a precomputed CRC-32) and must write exactly
-    ``nbytes``.
-    """
-
-    dtype: torch.dtype
-    shape: tuple
-    producer: Callable[[Any], None]
-    requires_grad: bool = False
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
-
-    @classmethod
-    def from_tensor(cls, t: torch.Tensor, requires_grad: bool = False) -> "NewTensor":
-        t = t.detach().contiguous()
-        flat = t.reshape(-1)
-        return cls(t.dtype, tuple(t.shape), lambda write: write(memoryview(flat.view(torch.uint8).numpy()) if t.numel()
-                                                                else memoryview(b"")), requires_grad)
+#: torch's legacy storage class names, by dtype name (newer dtypes are written as the dtype itself)
+STORAGE_CLASS = {d.name: d.storage_class for d in BY_NAME.values() if d.storage_class}
 
 
 class _Pickle:
@@ -100,7 +70,7 @@ class _Pickle:
         elif isinstance(obj, str):
             raw = obj.encode("utf-8", "surrogatepass")
             o += b"X" + struct.pack("<I", len(raw)) + raw
-        elif isinstance(obj, torch.Size):
+        elif _is_torch(obj, "Size"):
             self.glob("torch", "Size")
             self.emit((tuple(obj),))
             o += b"R"
@@ -130,16 +100,18 @@ class _Pickle:
             self.glob("builtins", "set" if isinstance(obj, set) else "frozenset")
             self.emit((sorted(obj, key=repr),))
             o += b"R"
-        elif isinstance(obj, torch.dtype):
+        elif _is_torch(obj, "dtype"):
             self.glob("torch", str(obj).split(".", 1)[1])
-        elif isinstance(obj, torch.device):
+        elif _is_torch(obj, "device"):
             self.glob("torch", "device")
             self.emit((str(obj),))
             o += b"R"
-        elif isinstance(obj, (TensorHandle, NewTensor)):
+        elif isinstance(obj, (StoredTensor, NewTensor)):
             self._tensor(obj)
-        elif isinstance(obj, FragmentAddress) or isinstance(obj, Standin):
-            module, name = type(obj)._qualname.rsplit(".", 1)
+        elif isinstance(obj, TensorHandle):
+            self._tensor(obj.stored())
+        elif isinstance(obj, (FragmentAddress, Standin)):
+            module, name = type(obj).qualname.rsplit(".", 1)
             self.glob(module, name)
             o += b")\x81"  # NEWOBJ with no arguments, then BUILD with the attribute dict
             self.emit({k: v for k, v in obj.__dict__.items() if k != "args"})
@@ -157,7 +129,7 @@ class _Pickle:
 
     def _tensor(self, t) -> None:
         key, dtype, numel = self.key(t)
-        if isinstance(t, TensorHandle):
+        if isinstance(t, StoredTensor):
             offset, shape, stride, rg = t.storage_offset, tuple(t.shape), tuple(t.stride), t.requires_grad
         else:
             shape, rg, offset = tuple(t.shape), t.requires_grad, 0
@@ -166,7 +138,7 @@ class _Pickle:
                 stride.append(acc)
                 acc *= s
             stride = tuple(reversed(stride))
-        state = getattr(t, "py_state", None)
+        state = t.py_state
         if state:  # torch's form for tensors that carry Python attributes
             self.glob("torch._tensor", "_rebuild_from_type_v2")
             self.out += b"("
@@ -175,7 +147,10 @@ class _Pickle:
             self.glob("torch", "Tensor")
         self.out += b"(("
         self.emit("storage")
-        self.glob("torch", STORAGE_CLASS[dtype])
+        if dtype in STORAGE_CLASS:
+            self.glob("torch", STORAGE_CLASS[dtype])
+        else:
+            self.glob("torch", dtype)
         self.emit(key)
         self.emit("cpu")
         self.emit(numel)
@@ -195,49 +170,44 @@ class _Pickle:
         return bytes(self.out + b".")
 
 
-def _walk_tensors(obj: Any, out: list) -> None:
-    if isinstance(obj, (TensorHandle, NewTensor)):
-        out.append(obj)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _walk_tensors(v, out)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _walk_tensors(v, out)
-    elif isinstance(obj, Standin):
-        _walk_tensors(obj.__dict__, out)
+def _is_torch(obj: Any, name: str) -> bool:
+    """``isinstance(obj, torch.<name>)`` without importing torch (a tree holding torch objects has it loaded)."""
+    cls = type(obj)
+    return any(c.__module__ == "torch" and c.__name__ == name for c in cls.__mro__)
 
 
 def save(obj: Any, path: str | os.PathLike, archive: Optional[str] = None,
-         progress: Callable[[int], None] = lambda n: None, bufs=None, zip64_limit: int = ZIP64_LIMIT) -> int:
+         progress: Callable[[int], None] = lambda n: None, bufs=None, files=None, cancel: Any = None,
+         zip64_limit: int = ZIP64_LIMIT) -> int:
     """Write ``obj`` as a torch zip file at ``path``; returns the bytes of tensor data written.
 
-    Source storages (of :class:`TensorHandle` s) are copied whole and once each, keeping views and
-    sharing: inside the kernel (``copy_file_range``) with the CRC-32 the source's zip directory
-    records for them (the bytes are the same, so is their checksum; a source damaged on disk stays
-    detectably damaged), or through the buffers where the stored member is longer than the storage.
-    Each :class:`NewTensor` gets a storage of its own, written with ``pwrite`` at an offset fixed in
-    advance while its CRC-32 is computed chunk by chunk in the read-ahead thread; the zip headers are
-    written last. Written bytes go on to disk as the file grows and leave the page cache
-    (:class:`~ckptlib.streaming.WriteBehind`). ``zip64_limit`` is for tests (sizes and offsets from it
-    on get ZIP64 fields).
+    Stored storages (of :class:`StoredTensor` s and tensor handles) are copied whole and once each,
+    keeping views and sharing: inside the kernel (``copy_file_range``) with the CRC-32 the source's zip
+    directory records for them (the bytes are the same, so is their checksum; a source damaged on disk
+    stays detectably damaged), or through the buffers where the stored member is longer than the
+    storage. Each :class:`NewTensor` gets a storage of its own, written with ``pwrite`` at an offset
+    fixed in advance while its CRC-32 is computed chunk by chunk in the read-ahead thread; the zip
+    headers are written last. Written bytes go on to disk as the file grows and leave the page cache
+    (:class:`~ckptlib.sinks.WriteBehind`). ``files`` (a :class:`~ckptlib.sources.SourceFiles`) reads the
+    sources; ``zip64_limit`` is for tests (sizes and offsets from it on get ZIP64 fields).
 
     Memory: the pickle and the streaming buffers ``bufs`` (a :class:`~ckptlib.streaming.ChunkBuffers`,
     3 x 8 MiB made here if not given).
     """
-    from ..streaming import ChunkBuffers, PwriteSink, SourceRange, WriteBehind, copy_ranges, pwrite_all
-
-    tensors: list = []
-    _walk_tensors(obj, tensors)
-    keys: dict[int, tuple] = {}
-    order: list = []  # (key, source) with source a StorageRef or a NewTensor
-    for t in tensors:
-        src = t.storage if isinstance(t, TensorHandle) else t
-        if id(src) not in keys:
-            numel = src.numel
-            keys[id(src)] = (str(len(order)), src.dtype, numel)
+    obj = as_specs(obj)
+    keys: dict[Any, tuple] = {}
+    order: list = []  # (key, source) with source a StorageAddress or a NewTensor
+    for t in walk_tensors(obj, []):
+        src = t.storage if isinstance(t, StoredTensor) else t
+        ident = src if isinstance(src, StorageAddress) else id(src)
+        if ident not in keys:
+            keys[ident] = (str(len(order)), lookup(src.dtype).name, src.numel)
             order.append((str(len(order)), src))
-    p = _Pickle(lambda t: keys[id(t.storage if isinstance(t, TensorHandle) else t)])
+
+    def key_of(t):
+        return keys[t.storage if isinstance(t, StoredTensor) else id(t)]
+
+    p = _Pickle(key_of)
     p.emit(obj)
     archive = archive or os.path.splitext(os.path.basename(os.fspath(path)))[0] or "archive"
     members: list[tuple[str, Any]] = [("data.pkl", p.finish()), (".format_version", b"1"),
@@ -246,9 +216,11 @@ def save(obj: Any, path: str | os.PathLike, archive: Optional[str] = None,
     members += [("version", b"3\n"), (".data/serialization_id", b"0" * 40)]
 
     def size(content) -> int:
-        return len(content) if isinstance(content, bytes) else content.numel * content.dtype.itemsize
+        return len(content) if isinstance(content, bytes) else content.nbytes
 
     records, cd_offset = layout_records([(f"{archive}/{name}", size(c)) for name, c in members], zip64_limit)
+    own_files = files is None
+    files = files if files is not None else SourceFiles()
     written = 0
     fd = os.open(os.fspath(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     behind = WriteBehind(fd)
@@ -258,26 +230,31 @@ def save(obj: Any, path: str | os.PathLike, archive: Optional[str] = None,
                 pwrite_all(fd, content, rec.data_offset)
                 rec.crc = zlib.crc32(content)
                 continue
-            if isinstance(content, StorageRef) and content.stored_crc is not None \
+            if isinstance(content, StorageAddress) and content.stored_crc is not None \
                     and content.stored_bytes == rec.size:
                 sink = PwriteSink(fd, rec.data_offset, behind=behind)
+                src_fd = files.fd(content.path)
                 for done in range(0, rec.size, COPY_BYTES):
                     n = min(COPY_BYTES, rec.size - done)
-                    sink.copy_from(content.file.fileno(), content.data_offset + done, n)
-                    content.file.count_read(n)
+                    sink.copy_from(src_fd, content.data_offset + done, n)
+                    files.count(n)
                     progress(n)
-                content.file.drop_cache(content.data_offset, rec.size)
+                files.drop_cache(content.path, content.data_offset, rec.size)
                 rec.crc = content.stored_crc
             else:
                 sink = PwriteSink(fd, rec.data_offset, crc=True, behind=behind)
-                if isinstance(content, StorageRef):
-                    bufs = bufs if bufs is not None else ChunkBuffers(COPY_BYTES)
-                    whole = TensorHandle(storage=content, storage_offset=0, shape=(content.numel,), stride=(1,))
-                    copy_ranges([SourceRange(whole, 0, content.numel)], content.dtype, sink, bufs, progress)
+                if isinstance(content, StorageAddress):
+                    ranges = [StoredRange(content.path, content.data_offset, content.dtype, content.numel)]
                 else:
-                    content.producer(sink)
+                    ranges = content.ranges
+                if isinstance(content, NewTensor) and content.data is not None:
+                    sink.write(memoryview(content.data))
+                    progress(len(content.data))
+                else:
+                    bufs = bufs if bufs is not None else ChunkBuffers(COPY_BYTES)
+                    copy_ranges(ranges, content.dtype, sink, bufs, files, progress, cancel)
                 if sink.written != rec.size:
-                    raise ValueError(f"a tensor producer wrote {sink.written} bytes instead of {rec.size}")
+                    raise ValueError(f"a new tensor's bytes came to {sink.written} instead of {rec.size}")
                 rec.crc = sink.crc
             written += rec.size
         for rec in records:
@@ -286,4 +263,9 @@ def save(obj: Any, path: str | os.PathLike, archive: Optional[str] = None,
         behind.close()
     finally:
         os.close(fd)
+        if own_files:
+            files.close()
     return written
+
+
+__all__ = ["save", "NewTensor", "StoredTensor", "StorageAddress", "STORAGE_CLASS"]

@@ -13,15 +13,16 @@ Built only on ckptlib's public API; nothing in the library imports this package.
 The figures are also available as plain functions (``layout_figure``, ``file_sizes_figure``), and the
 path helpers (``find_path``, ``sample_checkpoint``) resolve notebook parameters robustly.
 """
-from .browser import CheckpointBrowser, detect
-from .common import ErrorArea, WidgetObserver, find_path, sample_checkpoint
+from .browser import CheckpointBrowser
+from .common import ErrorArea, WidgetObserver, find_path, notebook_setup, sample_checkpoint
 from .figures import (file_sizes_figure, file_table_html, layout_figure, layout_panels, parameters_html, problems_html,
                       summary_html, table_html, where_html, where_is)
 from .layout_view import LayoutView
 from .monitor import MemoryMonitor
-from .wizards import ExportWizard, ReshardWizard, verify_export, verify_reshard
+from .plots import figure_png, memory_figure, new_figure, plot_memory
+from .wizards import ExportWizard, ReshardWizard, checks_html
 
 __all__ = ["CheckpointBrowser", "LayoutView", "ExportWizard", "ReshardWizard", "MemoryMonitor", "ErrorArea",
-           "WidgetObserver", "detect", "find_path", "sample_checkpoint", "file_sizes_figure", "file_table_html",
+           "WidgetObserver", "find_path", "notebook_setup", "sample_checkpoint", "file_sizes_figure", "file_table_html",
            "layout_figure", "layout_panels", "parameters_html", "problems_html", "summary_html", "table_html",
-           "where_html", "where_is", "verify_export", "verify_reshard"]
+           "where_html", "where_is", "checks_html", "memory_figure", "plot_memory", "figure_png", "new_figure"]

@@ -10,78 +10,32 @@
 from __future__ import annotations
 
 import os
-import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Union
 
 import ipywidgets as widgets
 
 import ckptlib
-from ckptlib.memory import figure_png
+from ckptlib.deepspeed.discovery import Detected, detect
 
 from . import figures
 from .common import ErrorArea, find_path, guarded, png_image, set_png
+from .plots import figure_png
 
-_MODEL = re.compile(r"(^|_)model_states\.pt$")
-_OPTIM = re.compile(r"optim_states\.pt$")
-_HF = re.compile(r"^checkpoint-(\d+)$")
 UP = ".."
 
 
-@dataclass
-class Detected:
-    """What a folder looks like, from its names alone (no file is opened).
-
-    ``kind``: ``"checkpoint"`` (holds ``latest`` or tag folders), ``"tag"`` (holds ``*_model_states.pt``),
-    ``"training-output"`` (holds ``checkpoint-N`` folders) or ``"folder"``.
-    """
-
-    path: Path
-    kind: str
-    tags: list = field(default_factory=list)
-    latest: Optional[str] = None
-    checkpoints: list = field(default_factory=list)
-
-    @property
-    def label(self) -> str:
-        name = self.path.name or str(self.path)
-        if self.kind == "checkpoint":
-            extra = f"latest → {self.latest}" if self.latest else f"{len(self.tags)} tag(s), no latest"
-            return f"📦 {name}/   checkpoint ({extra})"
-        if self.kind == "tag":
-            return f"🏷 {name}/   tag folder"
-        if self.kind == "training-output":
-            return f"🗂 {name}/   {len(self.checkpoints)} checkpoint-N folders"
-        return f"📁 {name}/"
-
-
-def _is_tag(path: Path) -> bool:
-    try:
-        return any(_MODEL.search(e.name) or _OPTIM.search(e.name) for e in os.scandir(path) if e.is_file())
-    except OSError:
-        return False
-
-
-def detect(path: Union[str, os.PathLike]) -> Detected:
-    """Recognise a checkpoint (``latest`` file, tag folders), a tag folder or a training output folder."""
-    path = Path(path)
-    if _is_tag(path):
-        return Detected(path, "tag")
-    latest = None
-    try:
-        if (path / "latest").is_file():
-            latest = (path / "latest").read_text(errors="replace").strip()[:200]
-        subdirs = [Path(e.path) for e in os.scandir(path) if e.is_dir()]
-    except OSError:
-        return Detected(path, "folder")
-    tags = sorted(d.name for d in subdirs if _is_tag(d))
-    if latest is not None or tags:
-        return Detected(path, "checkpoint", tags=tags, latest=latest)
-    hf = sorted((d for d in subdirs if _HF.match(d.name)), key=lambda d: int(_HF.match(d.name).group(1)))
-    if hf:
-        return Detected(path, "training-output", checkpoints=[d.name for d in hf])
-    return Detected(path, "folder")
+def label(d: Detected) -> str:
+    """How the folder list shows a folder: an icon and what it is."""
+    name = d.path.name or str(d.path)
+    if d.kind == "checkpoint":
+        extra = f"latest → {d.latest}" if d.latest else f"{len(d.tags)} tag(s), no latest"
+        return f"📦 {name}/   checkpoint ({extra})"
+    if d.kind == "tag":
+        return f"🏷 {name}/   tag folder"
+    if d.kind == "training-output":
+        return f"🗂 {name}/   {len(d.checkpoints)} checkpoint-N folders"
+    return f"📁 {name}/"
 
 
 class CheckpointBrowser(widgets.VBox):
@@ -178,7 +132,7 @@ class CheckpointBrowser(widgets.VBox):
         try:
             for e in sorted(os.scandir(path), key=lambda e: e.name):
                 if e.is_dir() and not e.name.startswith("."):
-                    entries.append((detect(e.path).label, e.name))
+                    entries.append((label(detect(e.path)), e.name))
         except OSError as e:
             raise ckptlib.CkptError(f"cannot list this folder ({e.strerror})", path=path) from None
         self._list([(f"⬆ {UP}", UP)] + entries)

@@ -21,6 +21,7 @@ from typing import Callable, Optional, Union
 import ipywidgets as widgets
 
 import ckptlib
+from ckptlib.units import human_bytes
 
 
 class ErrorArea(widgets.VBox):
@@ -117,8 +118,6 @@ class WidgetObserver(ckptlib.Observer):
             self._status(done, total)
 
     def _status(self, done: Optional[int] = None, total: Optional[int] = None):
-        from ckptlib.summary import human_bytes
-
         text = f"writing <code>{html.escape(self.file)}</code>"
         if done is not None:
             text += f" &mdash; {human_bytes(done)} of {human_bytes(total)}"
@@ -168,6 +167,14 @@ def find_path(path: Union[str, os.PathLike], must_exist: bool = True) -> Path:
 def sample_checkpoint() -> Path:
     """The bundled sample checkpoint (ZeRO-2, bf16, 2 ranks)."""
     return find_path(SAMPLE)
+
+
+def notebook_setup(checkpoint_dir: Union[str, os.PathLike],
+                   output_dir: Union[str, os.PathLike] = "output") -> tuple["ckptlib.Checkpoint", Path]:
+    """What every notebook does first: resolve its ``checkpoint_dir`` and ``output_dir`` parameters (see
+    :func:`find_path`) and open the checkpoint (metadata only). Returns ``(checkpoint, output_dir)``."""
+    ckpt = ckptlib.open_checkpoint(find_path(checkpoint_dir))
+    return ckpt, find_path(output_dir, must_exist=False)
 
 
 def as_checkpoint(checkpoint: Union["ckptlib.Checkpoint", str, os.PathLike]) -> "ckptlib.Checkpoint":

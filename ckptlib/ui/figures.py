@@ -11,8 +11,9 @@ import zlib
 from typing import Optional
 
 import ckptlib
-from ckptlib.memory import new_figure
-from ckptlib.summary import human_bytes
+from ckptlib.units import human_bytes
+
+from .plots import new_figure
 
 PALETTE = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C",
            "#CCB974", "#64B5CD", "#1F77B4", "#FF7F0E", "#2CA02C", "#D62728", "#9467BD", "#8C564B",

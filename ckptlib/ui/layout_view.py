@@ -14,10 +14,9 @@ from typing import Optional, Union
 import ipywidgets as widgets
 
 import ckptlib
-from ckptlib.memory import figure_png
-
 from . import figures
 from .common import ErrorArea, as_checkpoint, guarded, png_image, set_png
+from .plots import figure_png
 
 ALL = -1
 

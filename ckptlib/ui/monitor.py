@@ -9,10 +9,11 @@ from typing import Optional
 
 import ipywidgets as widgets
 
-from ckptlib.memory import MemorySampler, Sample, plot_memory, process_memory, system_memory
-from ckptlib.summary import human_bytes
+from ckptlib.memory import MemorySampler, Sample, process_memory, system_memory
+from ckptlib.units import human_bytes
 
 from .common import png_image, set_png
+from .plots import plot_memory
 
 
 class MemoryMonitor(widgets.VBox):

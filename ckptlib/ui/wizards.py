@@ -16,36 +16,23 @@ from __future__ import annotations
 
 import html
 import os
-import shutil
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
 import ipywidgets as widgets
-import torch
 
 import ckptlib
-from ckptlib.memory import memory_verdict, process_memory
-from ckptlib.summary import human_bytes
+from ckptlib.dtypes import OUTPUT_DTYPES
+from ckptlib.memory import process_memory
+from ckptlib.units import human_bytes
+from ckptlib.verify import Check, preflight, verify
 
 from .common import ErrorArea, WidgetObserver, as_checkpoint, find_path, guarded
 from .monitor import MemoryMonitor
 
-#: tensors larger than this are not read back for verification (it reads whole tensors)
-VERIFY_MAX_BYTES = 64 * 2**20
-
 STEPS = [("options", "1 · options"), ("planned", "2 · plan"), ("running", "3 · run"), ("verifying", "4 · verify"),
          ("done", "5 · summary")]
-
-
-@dataclass
-class Check:
-    """One verification check: what was checked, whether it held, and details."""
-
-    what: str
-    ok: bool
-    detail: str = ""
 
 
 def checks_html(checks: list[Check]) -> str:
@@ -55,117 +42,6 @@ def checks_html(checks: list[Check]) -> str:
     ok = all(c.ok for c in checks)
     head = ("<b style='color:#2e7d32'>verified</b>" if ok else "<b style='color:#b71c1c'>verification FAILED</b>")
     return f"<div class='ckpt-verify'>{head}<table>{rows}</table></div>"
-
-
-def free_disk(path: Path) -> Optional[int]:
-    """Free bytes on the file system that would hold ``path`` (its nearest existing ancestor)."""
-    p = Path(path)
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    try:
-        return shutil.disk_usage(p).free
-    except OSError:
-        return None
-
-
-def _pick(items: list, key=lambda t: t.nbytes, n: int = 4) -> list:
-    """A few items spread over the list (first, last, largest under the cap, middle)."""
-    small = [t for t in items if key(t) <= VERIFY_MAX_BYTES]
-    if not small:
-        return []
-    chosen = [small[0], small[-1], max(small, key=key), small[len(small) // 2]]
-    out = []
-    for t in chosen:
-        if all(t is not o for o in out):
-            out.append(t)
-    return out[:n]
-
-
-# ============================================================================================ verification
-def verify_export(plan: "ckptlib.ExportPlan", out: Union[str, os.PathLike], n: int = 4) -> list[Check]:
-    """Re-open an export's output and compare a few tensors, bit for bit, with the values ckptlib's own
-    reader assembles from the checkpoint. Also checks that every planned file and tensor is there."""
-    out = Path(out)
-    ck = plan.checkpoint
-    checks = []
-    missing = [f.name for f in plan.files if not (out / f.name).is_file()]
-    missing += [i for i in plan.index_files if not (out / i).is_file()]
-    checks.append(Check("every planned file is there", not missing,
-                        f"{len(plan.files)} file(s)" + (f"; missing {', '.join(missing)}" if missing else "")))
-    if missing:
-        return checks
-    readers, names_ok, detail = {}, True, []
-    for f in plan.files:
-        path = out / f.name
-        if plan.format == "safetensors":
-            from safetensors import safe_open
-
-            h = safe_open(str(path), framework="pt")
-            keys = set(h.keys())
-            readers[f.name] = h.get_tensor
-        else:
-            tf = ckptlib_torch_file(path)
-            keys = set(tf.obj)
-            readers[f.name] = (lambda obj: (lambda k: obj[k].read()))(tf.obj)
-        want = {t.name for t in f.tensors}
-        if keys != want:
-            names_ok = False
-            detail.append(f"{f.name}: {len(keys ^ want)} names differ")
-    checks.append(Check("each file holds exactly the planned tensors", names_ok,
-                        "; ".join(detail) or f"{len(plan.tensors)} tensors"))
-    file_of = {id(t): f.name for f in plan.files for t in f.tensors}
-    for t in _pick(plan.tensors, n=n):
-        got = readers[file_of[id(t)]](t.name)
-        if t.kind == "state":
-            ref = ck.read_state(t.source, t.key)
-        elif t.kind == "buffer":
-            ref = ck.read_buffer(t.source)
-        else:
-            ref = ck.read_param(t.source)
-        ref = ref.to(t.dtype)
-        same = got.dtype == ref.dtype and tuple(got.shape) == tuple(ref.shape) and torch.equal(got, ref)
-        label = t.name if not t.key else f"{t.key}/{t.name}"
-        checks.append(Check(f"{label} equals the checkpoint's value", same,
-                            f"{list(t.shape)} {str(t.dtype).replace('torch.', '')}, bit for bit"
-                            if same else f"got {got.dtype} {list(got.shape)}"))
-    return checks
-
-
-def ckptlib_torch_file(path: Path):
-    """Open a ``pytorch_model*.bin`` with ckptlib's safe reader (no pickle code runs)."""
-    from ckptlib.torchzip import open_torch_file
-
-    return open_torch_file(path)
-
-
-def verify_reshard(plan: "ckptlib.ReshardPlan", out: Union[str, os.PathLike], n: int = 4) -> list[Check]:
-    """Re-open a reshard's output with ckptlib and compare a few parameters and optimizer states with
-    the source, bit for bit."""
-    src = plan.checkpoint
-    checks = []
-    try:
-        new = ckptlib.open_checkpoint(out)
-    except ckptlib.CkptError as e:
-        return [Check("the output opens as a checkpoint", False, str(e))]
-    with new:
-        checks.append(Check("the output opens as a checkpoint, no problems found", not new.problems,
-                            "; ".join(new.problems) or f"tag {new.location.tag}, ZeRO-{new.zero_stage}"))
-        ranks = {f.dp_rank for f in new.files if f.kind == "optim_states"}
-        checks.append(Check(f"partitioned for {plan.world_size} ranks",
-                            new.partition_count == plan.world_size and len(ranks) == plan.world_size,
-                            f"partition count {new.partition_count}, {len(ranks)} optimizer-state files"))
-        same_params = [(p.name, p.shape) for p in new.parameters] == [(p.name, p.shape) for p in src.parameters]
-        checks.append(Check("same parameters and shapes", same_params, f"{len(new.parameters)} parameters"))
-        if new.problems or not same_params:
-            return checks
-        trainable = [p for p in src.parameters if p.trainable and not p.tied_to]
-        keys = list(src.optimizer.state_keys) if src.optimizer else []
-        for p in _pick(trainable, key=lambda p: p.numel * 4, n=n):
-            same = torch.equal(new.read_param(p.name), src.read_param(p.name))
-            states = [k for k in keys if torch.equal(new.read_state(p.name, k), src.read_state(p.name, k))]
-            checks.append(Check(f"{p.name}: fp32 master" + (f" and {', '.join(keys)}" if keys else "") + " equal",
-                                same and len(states) == len(keys), f"{list(p.shape)}, bit for bit"))
-    return checks
 
 
 # ============================================================================================ the wizards
@@ -292,16 +168,14 @@ class _Wizard(widgets.VBox):
         self._set_state("planned")
 
     def _verdict_html(self, plan) -> str:
-        v = memory_verdict(plan)
+        pre = preflight(plan)
+        v = pre.memory
         color = {"ok": "#2e7d32", "tight": "#e65100", "no": "#b71c1c"}[v.level]
         icon = "&#10004;" if v.level == "ok" else "&#9888;"
         lines = [f"<div style='color:{color}'>{icon} memory: {html.escape(v.message)}</div>"]
-        free = free_disk(Path(plan.out))
-        if free is not None:
-            fits = plan.write_bytes <= free
-            lines.append(f"<div style='color:{'#2e7d32' if fits else '#b71c1c'}'>{'&#10004;' if fits else '&#9888;'} "
-                         f"disk: writes {human_bytes(plan.write_bytes)}, {human_bytes(free)} free"
-                         + ("" if fits else " &mdash; NOT enough space") + "</div>")
+        if pre.disk_free is not None:
+            lines.append(f"<div style='color:{'#2e7d32' if pre.disk_ok else '#b71c1c'}'>"
+                         f"{'&#10004;' if pre.disk_ok else '&#9888;'} disk: {html.escape(pre.disk_message)}</div>")
         out = Path(plan.out)
         if out.exists() and any(out.iterdir()):
             lines.append("<div style='color:#e65100'>&#9888; the output folder exists and is not empty: "
@@ -374,7 +248,7 @@ class _Wizard(widgets.VBox):
                 self.finished.set()
 
     def _summary_html(self, plan, result, ok: bool) -> str:
-        mem = getattr(result, "memory", None)
+        mem = result.memory
         rate = human_bytes(result.bytes_written / result.seconds) + "/s" if result.seconds > 0 else "-"
         rows = [
             ("output", f"<code>{html.escape(str(result.out))}</code>"),
@@ -406,7 +280,7 @@ class ExportWizard(_Wizard):
         ck = self.checkpoint
         self.format = widgets.ToggleButtons(options=["safetensors", "torch"], value="safetensors",
                                             description="format")
-        self.dtype = widgets.ToggleButtons(options=["fp32", "bf16", "fp16"], value="fp32", description="dtype")
+        self.dtype = widgets.ToggleButtons(options=list(OUTPUT_DTYPES), value="fp32", description="dtype")
         self.max_shard_size = widgets.Text(value="5GB", description="shard size",
                                            tooltip="e.g. 5GB, 500MB, 2GiB")
         keys = list(ck.optimizer.state_keys) if ck.optimizer else []
@@ -423,7 +297,7 @@ class ExportWizard(_Wizard):
         return ckptlib.export(plan, observer=observer, cancel=cancel)
 
     def _verify(self, plan, result):
-        return verify_export(plan, result.out)
+        return verify(plan, result.out).checks
 
     def _next_steps(self, result) -> str:
         if self.format.value == "safetensors":
@@ -470,7 +344,7 @@ class ReshardWizard(_Wizard):
         return ckptlib.reshard(plan, observer=observer, cancel=cancel)
 
     def _verify(self, plan, result):
-        return verify_reshard(plan, result.out)
+        return verify(plan, result.out).checks
 
     def _next_steps(self, result) -> str:
         code = (f"# launch training on {self.world_size.value} data-parallel ranks, then:\n"
@@ -478,4 +352,4 @@ class ReshardWizard(_Wizard):
         return f"<p>Next:</p><pre>{html.escape(code)}</pre>"
 
 
-__all__ = ["ExportWizard", "ReshardWizard", "Check", "verify_export", "verify_reshard", "checks_html", "free_disk"]
+__all__ = ["ExportWizard", "ReshardWizard", "checks_html"]

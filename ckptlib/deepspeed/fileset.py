@@ -1,0 +1,70 @@
+"""The files of a tag folder, each pickle opened once (metadata only), failures kept as problems."""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from ..errors import CkptError, UnsafeCheckpointError
+from ..torchzip import ReadStats, TorchFile
+from . import files as fnames
+from .discovery import Location
+from .records import FileInfo
+
+
+def list_files(location: Location) -> list[FileInfo]:
+    """The tag folder's files with their roles, in a stable order (kind, ranks, natural name)."""
+    given = location.given.resolve()
+    out = []
+    for p in location.tag_dir.iterdir():
+        if not p.is_file():
+            continue
+        role = fnames.classify(p.name)
+        out.append((role.sort_key, FileInfo(path=p, relpath=os.path.relpath(p, given), bytes=p.stat().st_size,
+                                            kind=role.kind, dp_rank=role.dp_rank, mp_rank=role.mp_rank,
+                                            prefix=role.prefix)))
+    return [f for _, f in sorted(out, key=lambda t: t[0])]
+
+
+class OpenedFiles:
+    """Opens the pickles of a tag folder's files on demand, once each.
+
+    A file that cannot be read becomes a problem (``problems``, one sentence naming it) and ``None``;
+    a hostile pickle stops everything (:class:`~ckptlib.errors.UnsafeCheckpointError`).
+    """
+
+    def __init__(self, location: Location, problems: Optional[list] = None):
+        self.location = location
+        self.stats = ReadStats()
+        self.files = list_files(location)
+        self.problems: list[str] = problems if problems is not None else []
+        self._open: dict[str, Optional[TorchFile]] = {}
+        self._errors: dict[str, CkptError] = {}
+
+    def of(self, kind: str, mp_rank: int = 0) -> list[FileInfo]:
+        return [f for f in self.files if f.kind == kind and (f.mp_rank or 0) == mp_rank]
+
+    def get(self, info: FileInfo) -> Optional[TorchFile]:
+        key = str(info.path)
+        if key not in self._open:
+            try:
+                self._open[key] = TorchFile(info.path, stats=self.stats)
+            except UnsafeCheckpointError:
+                raise  # never half-open a checkpoint that holds a hostile pickle
+            except CkptError as e:
+                self.problems.append(f"{info.relpath}: {e.message}")
+                self._open[key] = None
+                self._errors[key] = e
+        return self._open[key]
+
+    def error(self, info: FileInfo) -> Optional[CkptError]:
+        """Why :meth:`get` gave None for ``info``."""
+        return self._errors.get(str(info.path))
+
+    def close(self) -> None:
+        for f in self._open.values():
+            if f is not None:
+                f.close()
+        self._open.clear()
+
+
+__all__ = ["list_files", "OpenedFiles"]

@@ -1,0 +1,250 @@
+"""The partition layout of each kind of checkpoint, from its pickles: ZeRO-1/2 (and BF16_Optimizer) flat
+groups, ZeRO-3 per-parameter chunks, stage 0's optimizer groups; then the parameter list.
+
+Each ``build_*`` fills ``rec.layouts``, ``rec.parameters``, ``rec.partition_count`` and the tensor index
+of a :class:`~ckptlib.deepspeed.records.Records`, and appends what does not add up to ``rec.problems``.
+The unpickled trees are only read.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from ..errors import UnsupportedCheckpointError
+from ..layout import FlatGroupLayout, Zero3Layout
+from ..torchzip import TensorHandle
+from .fileset import OpenedFiles
+from .records import BF16_OPTIMIZER, FileInfo, ParameterInfo, Records
+from .releases import written_by
+from .values import as_int
+
+
+# ============================================================================================ ZeRO-1/2
+def build_zero12(rec: Records, model: dict, model_file: FileInfo, optim_files: list[FileInfo]) -> None:
+    param_shapes = _param_shape_groups(model.get("param_shapes"))
+    if param_shapes is None:
+        raise UnsupportedCheckpointError(
+            f"the model-states file has no 'param_shapes' (written by {written_by(rec.deepspeed_version)}; "
+            "DeepSpeed writes it there since 0.6)", path=model_file.path,
+            hint="checkpoints from DeepSpeed before 0.6 are not supported")
+    optim = rec.index.optim
+    first = optim[min(optim)]
+    counts = first.get("partition_count")
+    counts = list(counts) if isinstance(counts, (list, tuple)) else [counts] * len(param_shapes)
+    rec.partition_count = max(int(c) for c in counts) if counts else None
+    paddings = first.get("param_alignment_paddings")
+    for g, group in enumerate(param_shapes):
+        pads = list(paddings[g]) if isinstance(paddings, (list, tuple)) and g < len(paddings) else None
+        rec.layouts.append(FlatGroupLayout.build(list(group.items()), int(counts[g]), paddings_after=pads, group=g))
+    check_rank_files(rec, optim_files, rec.partition_count, "optimizer-state")
+    key = "single_partition_of_fp32_groups"
+    for rank, osd in sorted(optim.items()):
+        r, parts = rank.dp, osd.get(key)
+        if not isinstance(parts, (list, tuple)) or len(parts) != len(rec.layouts):
+            rec.problems.append(f"rank {r}: '{key}' has {len(parts) if parts is not None else 'no'} groups, "
+                                f"param_shapes has {len(rec.layouts)}")
+            continue
+        for g, (t, lay) in enumerate(zip(parts, rec.layouts)):
+            want = lay.partition_size if rec.flavor == BF16_OPTIMIZER else lay.lean_length(r)
+            if not isinstance(t, TensorHandle) or t.numel != want:
+                got = t.numel if isinstance(t, TensorHandle) else type(t).__name__
+                rec.problems.append(
+                    f"rank {r} group {g}: the fp32 partition holds {got} elements, but {want} are expected "
+                    f"from param_shapes at {lay.world_size} ranks (element counts do not add up)")
+    trainable = {name: (tuple(shape), g) for g, group in enumerate(param_shapes) for name, shape in group.items()}
+    frozen_shapes = model.get("frozen_param_shapes") or {}
+    frozen_frag = model.get("frozen_param_fragments") or {}
+    rec.index.frozen = {n: [t] for n, t in frozen_frag.items() if isinstance(t, TensorHandle)}
+    shared = model.get("shared_params")
+    if not shared:
+        # DeepSpeed < 0.9 (and 0.9.x's ZeRO-1/2) record no ties; the 16-bit module weights are views of the
+        # flat groups, so an alias is a module tensor on the same storage, offset, shape and stride as a
+        # trainable parameter that is itself neither trainable nor frozen
+        ties = {a: o for a, o in aliases_by_storage(rec.index.module, set(model.get("buffer_names") or [])).items()
+                if o in trainable and a not in trainable and a not in frozen_shapes}
+        if ties:
+            rec.ties_from_storage = shared = ties
+    collect_parameters(rec, model, trainable, {n: tuple(s) for n, s in frozen_shapes.items()}, shared or {})
+
+
+# ============================================================================================ ZeRO-3
+def build_zero3(rec: Records, fs: OpenedFiles, model: dict, model_files: list[FileInfo],
+                optim_files: list[FileInfo]) -> None:
+    sub_groups = _param_shape_groups(model.get("param_shapes"))
+    if sub_groups is None:
+        raise UnsupportedCheckpointError(f"the ZeRO-3 model-states file has no 'param_shapes' (written by "
+                                         f"{written_by(rec.deepspeed_version)})", path=model_files[0].path)
+    optim = rec.index.optim
+    rec.partition_count = as_int(optim[min(optim)].get("partition_count"))
+    n = rec.partition_count or rec.dp_world_size or len(optim_files)
+    layout = Zero3Layout.build([list(g.items()) for g in sub_groups], n)
+    rec.layouts = [layout]
+    check_rank_files(rec, optim_files, n, "optimizer-state")
+    check_rank_files(rec, model_files, n, "model-states")
+    for rank, osd in sorted(optim.items()):
+        r, flats = rank.dp, osd.get("fp32_flat_groups")
+        if not isinstance(flats, (list, tuple)) or len(flats) != len(layout.sub_group_sizes):
+            rec.problems.append(f"rank {r}: 'fp32_flat_groups' has {len(flats) if flats else 'no'} sub-groups, "
+                                f"param_shapes has {len(layout.sub_group_sizes)}")
+            continue
+        for k, (t, want) in enumerate(zip(flats, layout.sub_group_sizes)):
+            if not isinstance(t, TensorHandle) or t.numel != want:
+                got = t.numel if isinstance(t, TensorHandle) else type(t).__name__
+                if isinstance(t, TensorHandle) and t.numel == 0 and want:
+                    sentence = (f"rank {r} sub-group {k}: the fp32 partition is empty (NVMe-offloaded "
+                                "optimizer state is not supported yet)")
+                    rec.problems.append(sentence)
+                    rec.unsupported.append(sentence)
+                else:
+                    rec.problems.append(f"rank {r} sub-group {k}: the fp32 partition holds {got} elements, "
+                                        f"{want} are expected from param_shapes at {n} ranks")
+    trainable = {name: (tuple(shape), k) for k, group in enumerate(sub_groups) for name, shape in group.items()}
+    frozen_shapes = {nm: tuple(s) for nm, s in (model.get("frozen_param_shapes") or {}).items()}
+    # every rank's model file holds its chunk of each frozen parameter; ties are those rank 0 records
+    by_rank: dict[int, dict] = {}
+    for f in model_files:
+        tf = fs.get(f)
+        if tf is not None and f.dp_rank is not None and isinstance(tf.obj, dict):
+            by_rank[f.dp_rank] = tf.obj.get("frozen_param_fragments") or {}
+    shared = model.get("shared_params")
+    rec.index.frozen = {}
+    for name in frozen_shapes:
+        chunks = [by_rank.get(r, {}).get(name) for r in range(n)]
+        if all(isinstance(c, TensorHandle) for c in chunks):
+            rec.index.frozen[name] = chunks
+        else:
+            rec.problems.append(f"frozen parameter {name}: chunks missing on some ranks")
+    collect_parameters(rec, model, trainable, frozen_shapes, shared or {})
+
+
+# ============================================================================================ stage 0
+def build_stage0(rec: Records, model: dict) -> None:
+    module = rec.index.module
+    buffers = set(model.get("buffer_names") or [])
+    opt = model.get("optimizer")
+    rec.index.stage0_optimizer = opt if isinstance(opt, dict) else {}
+    aliases = aliases_by_storage(module, buffers)
+    names = [n for n, t in module.items() if isinstance(t, TensorHandle) and n not in buffers and n not in aliases]
+    # which parameters does the optimizer hold, in which group? Match shapes in model order.
+    groups = _stage0_group_shapes(opt)
+    trainable: dict[str, tuple] = {}
+    if groups is None:
+        for n in names:
+            trainable[n] = (tuple(module[n].shape), 0)
+    else:
+        taken: set = set()
+        for g, shapes in enumerate(groups):
+            pos = 0
+            for i, shape in enumerate(shapes):
+                while pos < len(names) and (names[pos] in taken or tuple(module[names[pos]].shape) != shape):
+                    pos += 1
+                if pos == len(names):
+                    rec.problems.append(f"stage 0: optimizer group {g} entry {i} of shape {list(shape)} "
+                                        "matches no parameter of the module")
+                    break
+                taken.add(names[pos])
+                trainable[names[pos]] = (shape, g)
+                rec.index.stage0[names[pos]] = (g, i)
+    collect_parameters(rec, model, trainable, {}, aliases)
+
+
+# ============================================================================================ shared
+def collect_parameters(rec: Records, model: dict, trainable: dict, frozen_shapes: dict, shared: dict) -> None:
+    """``rec.parameters`` in the module's order: trainable, frozen, and tied aliases (``shared``: alias ->
+    owner); frozen parameters only the 16-bit module holds get their module tensor as source."""
+    module = rec.index.module
+    buffers = set(model.get("buffer_names") or [])
+    params: list[ParameterInfo] = []
+    names = [n for n in module if n not in buffers] if module else []
+    names += [n for n in list(trainable) + list(frozen_shapes) if n not in names]
+    for name in names:
+        if name in shared and shared[name] != name:
+            params.append(ParameterInfo(name=name, shape=(), trainable=False, tied_to=shared[name]))
+            continue
+        t = module.get(name)
+        stored = t.dtype_name if isinstance(t, TensorHandle) else None
+        if name in trainable:
+            shape, g = trainable[name]
+            params.append(ParameterInfo(name=name, shape=shape, trainable=True, group=g, stored_dtype=stored))
+        elif name in frozen_shapes:
+            params.append(ParameterInfo(name=name, shape=frozen_shapes[name], trainable=False, stored_dtype=stored))
+        elif isinstance(t, TensorHandle):
+            # a frozen parameter that only the 16-bit module weights hold (ZeRO-1, stage 0)
+            if rec.zero_stage == 3:
+                rec.problems.append(f"parameter {name} is in the module but neither trainable nor frozen "
+                                    "data for it was saved")
+                continue
+            params.append(ParameterInfo(name=name, shape=tuple(t.shape), trainable=False, stored_dtype=stored))
+            rec.index.frozen[name] = [t]
+    by_name = {p.name: p for p in params}
+    for p in params:
+        if p.tied_to is not None:
+            owner = by_name.get(p.tied_to)
+            if owner is None:
+                rec.problems.append(f"tied parameter {p.name} refers to {p.tied_to}, which is not saved")
+            else:
+                p.shape, p.trainable, p.stored_dtype = owner.shape, owner.trainable, owner.stored_dtype
+    rec.parameters = params
+
+
+def check_rank_files(rec: Records, files: list[FileInfo], n: Optional[int], what: str) -> None:
+    ranks = sorted(f.dp_rank for f in files if f.dp_rank is not None)
+    if n is None:
+        return
+    missing = sorted(set(range(n)) - set(ranks))
+    extra = sorted(r for r in set(ranks) if r >= n)
+    if missing:
+        rec.problems.append(f"missing {what} files for dp rank(s) {', '.join(map(str, missing))} "
+                            f"(the checkpoint was saved by {n} ranks); a rank did not finish saving")
+    if extra:
+        rec.problems.append(f"extra {what} files for dp rank(s) {', '.join(map(str, extra))}: the checkpoint "
+                            f"has {n} partitions; these are probably left over from another run")
+    if rec.dp_world_size is not None and rec.dp_world_size != n:
+        rec.problems.append(f"partition_count {n} differs from the model file's dp_world_size {rec.dp_world_size}")
+
+
+def _param_shape_groups(ps: Any) -> Optional[list[dict]]:
+    if ps is None:
+        return None
+    if isinstance(ps, dict):  # DeepSpeed < 0.5.4: a single OrderedDict
+        return [dict(ps)]
+    return [dict(g) for g in ps]
+
+
+def aliases_by_storage(module: dict, buffers: set) -> dict[str, str]:
+    """Parameters sharing storage, offset, shape and stride with an earlier one (ties without a record)."""
+    first: dict[tuple, str] = {}
+    aliases = {}
+    for name, t in module.items():
+        if not isinstance(t, TensorHandle) or name in buffers:
+            continue
+        key = (t.storage.key, t.storage_offset, tuple(t.shape), tuple(t.stride))
+        if key in first:
+            aliases[name] = first[key]
+        else:
+            first[key] = name
+    return aliases
+
+
+def _stage0_group_shapes(opt: Any) -> Optional[list[list[tuple]]]:
+    """Shapes of the parameters each optimizer group holds, in order (stage 0)."""
+    if not isinstance(opt, dict):
+        return None
+    if "fp32_groups" in opt:
+        return [[tuple(t.shape) for t in g] for g in opt["fp32_groups"]]
+    inner = opt.get("optimizer_state_dict", opt)
+    state, groups = inner.get("state") or {}, inner.get("param_groups") or []
+    out = []
+    for g in groups:
+        shapes = []
+        for pid in g.get("params", []):
+            s = state.get(pid) or {}
+            t = next((v for k, v in s.items() if k != "step" and isinstance(v, TensorHandle)), None)
+            if t is None:
+                return None  # no state to learn shapes from
+            shapes.append(tuple(t.shape))
+        out.append(shapes)
+    return out
+
+
+__all__ = ["build_zero12", "build_zero3", "build_stage0", "collect_parameters", "check_rank_files",
+           "aliases_by_storage"]

@@ -1,0 +1,124 @@
+"""The parsed records of one DeepSpeed checkpoint (plain data, built by :mod:`ckptlib.deepspeed.parse`).
+
+:class:`Records` is everything opening a checkpoint learned: its files and their roles, ZeRO stage and
+optimizer flavour, training dtype, sizes, version, optimizer, parameters, buffers, the partition layout,
+quirks of older releases and problems found, and where each partitioned tensor is (tensor handles into
+the opened files, see :class:`TensorIndex`). Nothing here reads a file.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from ..layout import FlatGroupLayout, Zero3Layout
+from ..mesh import Rank
+
+Layout = Union[FlatGroupLayout, Zero3Layout]
+
+ZERO = "zero"                      # DeepSpeedZeroOptimizer (stage 1/2) or stage 3
+BF16_OPTIMIZER = "bf16_optimizer"  # BF16_Optimizer: padded fp32 partitions, no zero_stage key
+NO_ZERO = "no_zero"                # stage 0: everything in the model-states file
+
+
+@dataclass
+class FileInfo:
+    """One file of the tag folder."""
+
+    path: Path
+    relpath: str
+    bytes: int
+    kind: str
+    dp_rank: Optional[int] = None
+    mp_rank: Optional[int] = None
+    prefix: str = ""
+
+    @property
+    def rank(self) -> Rank:
+        """The file's place in the mesh (data rank, and model-parallel rank as the tensor rank)."""
+        return Rank(dp=self.dp_rank or 0, tp=self.mp_rank or 0)
+
+
+@dataclass
+class ParameterInfo:
+    """One parameter of the model.
+
+    ``group`` is the optimizer parameter group (ZeRO-1/2) or sub-group (ZeRO-3) of a trainable parameter.
+    ``tied_to`` names the parameter whose data this one shares (then its values are that parameter's).
+    """
+
+    name: str
+    shape: tuple
+    trainable: bool
+    tied_to: Optional[str] = None
+    group: Optional[int] = None
+    stored_dtype: Optional[str] = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass
+class BufferInfo:
+    name: str
+    shape: tuple
+    dtype: str
+
+
+@dataclass
+class OptimizerInfo:
+    """What the checkpoint says about the optimizer."""
+
+    wrapper: str
+    state_keys: list
+    step: Optional[int]
+    param_groups: list = field(default_factory=list)  # hyper-parameters per group, without 'params'
+    loss_scale: Optional[float] = None
+
+
+@dataclass
+class TensorIndex:
+    """Where the tensors are, as handles into the opened files.
+
+    ``module``: the model-states file's ``module`` entries (16-bit weights, buffers); ``optim``: each
+    rank's ``optimizer_state_dict``; ``frozen``: per frozen parameter, its stored chunks in rank order
+    (one tensor except at ZeRO-3); ``stage0``: per trainable parameter at stage 0, its (group, index)
+    in the optimizer.
+    """
+
+    module: dict = field(default_factory=dict)
+    optim: dict = field(default_factory=dict)        # Rank -> optimizer_state_dict
+    frozen: dict = field(default_factory=dict)       # name -> [TensorHandle]
+    stage0: dict = field(default_factory=dict)       # name -> (group, index)
+    stage0_optimizer: Any = None                     # the model file's 'optimizer' entry (stage 0)
+
+
+@dataclass
+class Records:
+    """Everything parsing a checkpoint found. See :class:`ckptlib.deepspeed.Checkpoint` for the fields."""
+
+    files: list
+    zero_stage: Optional[int] = None
+    flavor: str = NO_ZERO
+    dtype: Optional[str] = None
+    dp_world_size: Optional[int] = None
+    mp_world_size: Optional[int] = None
+    partition_count: Optional[int] = None
+    deepspeed_version: Optional[str] = None
+    ds_config: dict = field(default_factory=dict)
+    optimizer: Optional[OptimizerInfo] = None
+    parameters: list = field(default_factory=list)
+    buffers: list = field(default_factory=list)
+    layouts: list = field(default_factory=list)
+    quirks: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+    problems: list = field(default_factory=list)
+    unsupported: list = field(default_factory=list)  # the problems that are layouts ckptlib refuses to read
+    ties_from_storage: dict = field(default_factory=dict)
+    index: TensorIndex = field(default_factory=TensorIndex)
+
+
+__all__ = ["ZERO", "BF16_OPTIMIZER", "NO_ZERO", "Layout", "FileInfo", "ParameterInfo", "BufferInfo", "OptimizerInfo",
+           "TensorIndex", "Records"]

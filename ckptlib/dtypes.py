@@ -1,0 +1,87 @@
+"""The one table of tensor dtypes ckptlib knows: names, sizes and what each file format calls them.
+
+Metadata code works with dtype *names* (``"float32"``, ``"bfloat16"``, ...: torch's names without
+``torch.``), so plans stay plain data. torch is imported only by :func:`torch_dtype`, when a tensor is
+actually made.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+
+@dataclass(frozen=True)
+class DType:
+    """One dtype: ``name`` (torch's, without ``torch.``), bytes per element, torch's legacy storage
+    class, the safetensors code (None if safetensors cannot hold it), whether it is floating point, and
+    the short name users type (``fp32``/``bf16``/``fp16``; None for the others)."""
+
+    name: str
+    itemsize: int
+    storage_class: Optional[str]
+    safetensors: Optional[str]
+    floating: bool
+    short: Optional[str] = None
+
+
+_ALL = [
+    DType("float32", 4, "FloatStorage", "F32", True, "fp32"),
+    DType("float64", 8, "DoubleStorage", "F64", True),
+    DType("bfloat16", 2, "BFloat16Storage", "BF16", True, "bf16"),
+    DType("float16", 2, "HalfStorage", "F16", True, "fp16"),
+    DType("int64", 8, "LongStorage", "I64", False),
+    DType("int32", 4, "IntStorage", "I32", False),
+    DType("int16", 2, "ShortStorage", "I16", False),
+    DType("int8", 1, "CharStorage", "I8", False),
+    DType("uint8", 1, "ByteStorage", "U8", False),
+    DType("bool", 1, "BoolStorage", "BOOL", False),
+    DType("complex64", 8, "ComplexFloatStorage", None, False),
+    DType("complex128", 16, "ComplexDoubleStorage", None, False),
+    DType("uint16", 2, None, "U16", False),
+    DType("uint32", 4, None, "U32", False),
+    DType("uint64", 8, None, "U64", False),
+    DType("float8_e4m3fn", 1, None, "F8_E4M3", True),
+    DType("float8_e5m2", 1, None, "F8_E5M2", True),
+    DType("float8_e4m3fnuz", 1, None, None, True),
+    DType("float8_e5m2fnuz", 1, None, None, True),
+]
+BY_NAME: dict[str, DType] = {d.name: d for d in _ALL}
+BY_STORAGE_CLASS: dict[str, DType] = {d.storage_class: d for d in _ALL if d.storage_class}
+BY_SHORT: dict[str, DType] = {d.short: d for d in _ALL if d.short}
+#: the output dtypes users choose from (``--dtype``)
+OUTPUT_DTYPES = tuple(BY_SHORT)
+
+
+def lookup(dtype: Any) -> DType:
+    """The table entry of a dtype given as a name (``"float32"``), a short name (``"fp32"``) or a torch dtype."""
+    if isinstance(dtype, DType):
+        return dtype
+    key = str(dtype).replace("torch.", "")
+    found = BY_NAME.get(key) or BY_SHORT.get(key)
+    if found is None:
+        raise KeyError(f"unknown dtype {dtype!r}")
+    return found
+
+
+def name_of(dtype: Any) -> str:
+    """The dtype's name (``torch.bfloat16`` -> ``"bfloat16"``, ``"bf16"`` -> ``"bfloat16"``)."""
+    return lookup(dtype).name
+
+
+def itemsize(dtype: Any) -> int:
+    return lookup(dtype).itemsize
+
+
+def is_floating(dtype: Any) -> bool:
+    return lookup(dtype).floating
+
+
+def torch_dtype(dtype: Any):
+    """The torch dtype (imports torch)."""
+    import torch
+
+    return getattr(torch, lookup(dtype).name)
+
+
+__all__ = ["DType", "BY_NAME", "BY_STORAGE_CLASS", "BY_SHORT", "OUTPUT_DTYPES", "lookup", "name_of", "itemsize",
+           "is_floating", "torch_dtype"]

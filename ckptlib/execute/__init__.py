@@ -1,0 +1,5 @@
+"""Executing plans: one runner for export, reshard and universal, in threads, processes or under torchrun."""
+from .distributed import run_distributed
+from .runner import RunResult, run
+
+__all__ = ["run", "run_distributed", "RunResult"]

@@ -1,0 +1,159 @@
+"""The one runner: executes any plan (export, reshard, universal) into an atomic output folder.
+
+:func:`run` checks that the source is unchanged since the plan was made, watches the process's memory,
+writes the plan's files into a hidden temporary sibling of the output folder (with the plan's
+``workers`` as threads, or as processes that each receive the pickled plan), then its text finals
+(``latest`` last), and renames the folder into place; any failure or a cancel leaves nothing behind.
+Progress goes to an :class:`~ckptlib.progress.Observer`; every run returns a :class:`RunResult` with
+its :class:`~ckptlib.memory.MemoryReport`. Buffers are released when the run ends.
+
+Memory: ``plan.predicted_peak_bytes`` per writing process, whatever the model size.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from ..memory import MemoryReport, watch_memory
+from ..output import AtomicOutputDir, reporting_failures
+from ..plan import PROCESSES, Plan
+from ..progress import Observer, check_cancel
+from ..sources import SourceFiles, check_unchanged
+from .processes import write_in_processes
+from .writers import Unit, WriteContext, prepare, units, write_finals, write_unit
+
+
+@dataclass
+class RunResult:
+    """What a run produced: the output folder, every file written with its bytes (in plan order, the text
+    finals last), time, bytes read from the source and written, and the run's memory."""
+
+    action: str
+    out: Path
+    files: list
+    seconds: float
+    bytes_read: int
+    bytes_written: int
+    memory: Optional[MemoryReport] = None
+    plan: Optional[Plan] = field(default=None, repr=False)
+
+    def describe(self) -> str:
+        from ..units import human_bytes
+
+        text = (f"wrote {len(self.files)} file{'s' if len(self.files) != 1 else ''}, {self.bytes_written:,} bytes "
+                f"to {self.out} in {self.seconds:.1f} s (read {self.bytes_read:,} bytes)")
+        if self.memory is not None:
+            text += f"; peak memory +{human_bytes(self.memory.peak_added)} over the start"
+        return text
+
+
+class AnyOf:
+    """Set when any of the events is (the user's cancel, or a failure in another writing thread)."""
+
+    def __init__(self, *events):
+        self.events = [e for e in events if e is not None]
+
+    def is_set(self) -> bool:
+        return any(e.is_set() for e in self.events)
+
+
+def progress_to(observer: Observer, total: int) -> Callable[[int], None]:
+    """A thread-safe ``progress(nbytes)`` reporting the running total to ``observer``; the observer is
+    called under the lock, so the totals it sees never go back."""
+    done, lock = [0], threading.Lock()
+
+    def progress(n: int) -> None:
+        with lock:
+            done[0] += n
+            observer.on_bytes(done[0], total)
+
+    return progress
+
+
+def run(plan: Plan, observer: Optional[Observer] = None, cancel: Any = None) -> RunResult:
+    """Execute ``plan``: write its output folder atomically and return what was done.
+
+    Args:
+        plan: a plan from :func:`ckptlib.plan_export`, :func:`ckptlib.plan_reshard` or
+            :func:`ckptlib.plan_universal` (or one made or edited by hand: it is plain data).
+        observer: receives progress (:class:`~ckptlib.progress.Observer`).
+        cancel: a ``threading.Event``; setting it stops the run at the next chunk (it then raises
+            :class:`~ckptlib.errors.Cancelled` and leaves nothing behind).
+
+    Memory: ``plan.predicted_peak_bytes`` per writing process. The source is only read.
+    """
+    observer = observer or Observer()
+    t0 = time.perf_counter()
+    with watch_memory() as watch:
+        observer.on_start(plan)
+        with reporting_failures(plan.out, observer):
+            check_unchanged(plan.source.stamps)
+            with AtomicOutputDir(plan.out, source=plan.source.save_dir, overwrite=plan.overwrite) as tmp:
+                prepare(plan, tmp)
+                if plan.parallel == PROCESSES and plan.workers > 1:
+                    read = write_in_processes(plan, tmp, observer, cancel)
+                else:
+                    read = write_in_threads(plan, units(plan), tmp, observer, cancel, plan.workers)
+                write_finals(plan, tmp)
+                check_cancel(cancel)
+    result = finished(plan, time.perf_counter() - t0, read, watch.report)
+    observer.on_finish(result)
+    return result
+
+
+def finished(plan: Plan, seconds: float, read: int, memory: Optional[MemoryReport]) -> RunResult:
+    files = [(f.name, f.write_bytes) for f in plan.files] + [(f.name, len(f.text.encode())) for f in plan.finals]
+    return RunResult(action=plan.action, out=plan.out, files=files, seconds=seconds, bytes_read=read,
+                     bytes_written=plan.write_bytes, memory=memory, plan=plan)
+
+
+def write_in_threads(plan: Plan, work: list[Unit], tmp: Path, observer: Observer, cancel: Any,
+                     threads: int = 1, progress: Optional[Callable[[int], None]] = None) -> int:
+    """Write ``work`` with ``threads`` writing threads (the calling thread when 1: in plan order; else
+    largest first). The first failure stops the other threads at their next chunk and is raised.
+    Returns the bytes read from the source."""
+    failed = threading.Event()
+    files = SourceFiles()
+    ctx = WriteContext(plan.chunk_bytes, files, progress or progress_to(observer, plan.write_bytes),
+                       AnyOf(cancel, failed), observer)
+    try:
+        if threads <= 1 or len(work) <= 1:
+            for u in work:
+                write_unit(plan, u, tmp, ctx)
+            return files.stats.bytes_read
+        todo: queue.SimpleQueue = queue.SimpleQueue()
+        for u in sorted(work, key=lambda u: -u.nbytes):
+            todo.put(u)
+        errors: list[BaseException] = []
+
+        def worker() -> None:
+            try:
+                while not failed.is_set():
+                    try:
+                        u = todo.get_nowait()
+                    except queue.Empty:
+                        return
+                    write_unit(plan, u, tmp, ctx)
+            except BaseException as e:  # the first failure is the one raised
+                errors.append(e)
+                failed.set()
+
+        pool = [threading.Thread(target=worker, name=f"ckptlib-write-{i}", daemon=True)
+                for i in range(min(threads, len(work)))]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+        if errors:
+            raise errors[0]
+        return files.stats.bytes_read
+    finally:
+        ctx.close()
+        files.close()
+
+
+__all__ = ["RunResult", "run", "write_in_threads", "progress_to", "finished", "AnyOf"]

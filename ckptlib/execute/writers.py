@@ -1,0 +1,154 @@
+"""Writing the files of a plan into the (temporary) output folder, one unit at a time.
+
+A *unit* is the smallest piece of a plan that can be written on its own: one tensor of a safetensors
+file (its offset is known from the header), or one whole torch or copied file. Writers read the
+plan's source ranges through a :class:`~ckptlib.sources.SourceFiles` and stream them through the
+calling thread's buffers (:class:`WriteContext`).
+"""
+from __future__ import annotations
+
+import collections
+import os
+import shutil
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from ..plan import CopyFile, Plan, TextFile, TreeFile, WeightsFile
+from ..progress import Observer, check_cancel
+from ..sinks import PwriteSink, WriteBehind
+from ..sources import SourceFiles
+from ..stformat import SafetensorsLayout, TensorSpec
+from ..streaming import ChunkBuffers, copy_ranges
+from ..torchzip.specs import NewTensor
+from ..torchzip.writer import save as torch_save
+
+
+@dataclass(frozen=True)
+class Unit:
+    """File ``file`` of the plan: its tensor ``tensor`` (safetensors), or all of it (``tensor`` None)."""
+
+    file: int
+    tensor: Optional[int]
+    nbytes: int
+
+
+class WriteContext:
+    """What writers need while a run goes on: the source files, one set of buffers per thread (made on
+    first use, released by :meth:`close`), progress (thread-safe; totals only go up) and cancellation."""
+
+    def __init__(self, chunk_bytes: int, files: SourceFiles, progress: Callable[[int], None] = lambda n: None,
+                 cancel: Any = None, observer: Optional[Observer] = None):
+        self.chunk_bytes, self.files, self.progress = chunk_bytes, files, progress
+        self.cancel = cancel
+        self.observer = observer or Observer()
+        self._local = threading.local()
+        self._made: list[ChunkBuffers] = []
+        self._lock = threading.Lock()
+
+    @property
+    def bufs(self) -> ChunkBuffers:
+        b = getattr(self._local, "bufs", None)
+        if b is None:
+            b = self._local.bufs = ChunkBuffers(self.chunk_bytes)
+            with self._lock:
+                self._made.append(b)
+        return b
+
+    def close(self) -> None:
+        """Release every thread's buffers."""
+        with self._lock:
+            made, self._made = self._made, []
+        for b in made:
+            b.close()
+        self._local = threading.local()
+
+
+def safetensors_layout(f: WeightsFile) -> SafetensorsLayout:
+    return SafetensorsLayout([TensorSpec(t.name, t.dtype, t.shape) for t in f.tensors], f.metadata)
+
+
+def prepare(plan: Plan, tmp: Path) -> None:
+    """Make the plan's folders, every file's parent folder, and each safetensors file with its header
+    and final size (so its tensors can then be written in any order, by any process)."""
+    for folder in plan.folders:
+        (tmp / folder).mkdir(parents=True, exist_ok=True)
+    for f in plan.files:
+        (tmp / f.name).parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(f, WeightsFile) and f.format == "safetensors":
+            safetensors_layout(f).create(tmp / f.name)
+
+
+def units(plan: Plan) -> list[Unit]:
+    """The plan's units in plan order: each tensor of a safetensors file, each other file whole."""
+    out = []
+    for i, f in enumerate(plan.files):
+        if isinstance(f, WeightsFile) and f.format == "safetensors":
+            out += [Unit(i, k, t.nbytes) for k, t in enumerate(f.tensors)]
+        else:
+            out.append(Unit(i, None, f.write_bytes))
+    return out
+
+
+def assign(work: list[Unit], bins: int) -> list[list[Unit]]:
+    """Greedy balance of units over ``bins`` writers by bytes (largest first)."""
+    loads = [0] * bins
+    out: list[list[Unit]] = [[] for _ in range(bins)]
+    for u in sorted(work, key=lambda u: -u.nbytes):
+        i = loads.index(min(loads))
+        out[i].append(u)
+        loads[i] += u.nbytes
+    return out
+
+
+def write_unit(plan: Plan, unit: Unit, tmp: Path, ctx: WriteContext) -> None:
+    """Write one unit into ``tmp`` (the plan's folders and safetensors headers must exist)."""
+    check_cancel(ctx.cancel)
+    f = plan.files[unit.file]
+    path = tmp / f.name
+    if unit.tensor is None or unit.tensor == 0:
+        ctx.observer.on_file(f.name)
+    if isinstance(f, WeightsFile) and f.format == "safetensors":
+        _write_safetensors(f, [unit.tensor] if unit.tensor is not None else range(len(f.tensors)), path, ctx)
+    elif isinstance(f, WeightsFile):
+        for t in f.tensors:
+            ctx.observer.on_tensor(t.name)
+        tree = collections.OrderedDict((t.name, NewTensor(t.dtype, t.shape, t.ranges)) for t in f.tensors)
+        torch_save(tree, path, archive=Path(f.name).name.split(".")[0], progress=ctx.progress, bufs=ctx.bufs,
+                   files=ctx.files, cancel=ctx.cancel)
+    elif isinstance(f, TreeFile):
+        torch_save(f.obj, path, progress=ctx.progress, bufs=ctx.bufs, files=ctx.files, cancel=ctx.cancel)
+    elif isinstance(f, CopyFile):
+        shutil.copy2(f.source, path)
+        ctx.files.count(f.write_bytes)
+        ctx.progress(f.write_bytes)
+    else:
+        raise TypeError(f"a plan cannot write a {type(f).__name__}")
+
+
+def _write_safetensors(f: WeightsFile, which, path: Path, ctx: WriteContext) -> None:
+    layout = safetensors_layout(f)
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        behind = WriteBehind(fd)  # written bytes go on to disk and leave the page cache as we go
+        for i in which:
+            t = f.tensors[i]
+            ctx.observer.on_tensor(t.name)
+            sink = PwriteSink(fd, layout.tensor_offset(t.name), behind=behind)
+            copy_ranges(t.ranges, t.dtype, sink, ctx.bufs, ctx.files, ctx.progress, ctx.cancel)
+        behind.close()
+    finally:
+        os.close(fd)
+
+
+def write_finals(plan: Plan, tmp: Path) -> None:
+    """The plan's text files, in order (``latest`` last of all, so it never names an unfinished tag)."""
+    for f in plan.finals:
+        if not isinstance(f, TextFile):
+            raise TypeError(f"a plan's finals are text files, not {type(f).__name__}")
+        (tmp / f.name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / f.name).write_text(f.text)
+
+
+__all__ = ["Unit", "WriteContext", "safetensors_layout", "prepare", "units", "assign", "write_unit", "write_finals"]

@@ -1,0 +1,194 @@
+"""Plans as plain data: what a run reads and writes, decided from metadata before any byte moves.
+
+A plan names its source (:class:`SourceRef`: folders, a summary, and a stamp of every file, so a run
+can tell whether the checkpoint changed since), its output folder and the files to write:
+
+- :class:`WeightsFile` — a safetensors or torch file of named tensors (an export's shards);
+- :class:`TreeFile` — a torch file written from an object tree whose tensors are plain specs
+  (:mod:`ckptlib.torchzip.specs`; a reshard's rank files, a universal checkpoint's fragments);
+- :class:`CopyFile` — a file copied as it is;
+- :class:`TextFile` — small text written after everything else, in order (``latest``, index files).
+
+Every tensor's bytes are a range list (:mod:`ckptlib.ranges`): file paths and byte offsets, read only
+when the file is written. There is no open file, lock, closure or live context in a plan: it pickles,
+prints, and runs in another process as it is (:mod:`ckptlib.execute`). Nothing here does I/O.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Optional
+
+from .dtypes import itemsize
+from .ranges import stored_bytes
+from .streaming import predicted_peak_bytes
+from .units import human_bytes
+
+THREADS, PROCESSES = "threads", "processes"
+
+
+@dataclass(frozen=True)
+class SourceRef:
+    """The checkpoint a plan reads, as plain data: where it is, what it is, and a ``(path, size, mtime_ns)``
+    stamp of each of its files."""
+
+    save_dir: str
+    tag: str
+    tag_dir: str
+    zero_stage: Optional[int]
+    flavor: str
+    dtype: Optional[str]
+    dp_world_size: Optional[int]
+    partition_count: Optional[int]
+    total_bytes: int
+    stamps: tuple = ()
+
+    @property
+    def ranks(self) -> Optional[int]:
+        """The data-parallel size it was saved with."""
+        return self.partition_count or self.dp_world_size
+
+
+@dataclass
+class PlannedTensor:
+    """One output tensor of an export and where its bytes come from (``ranges``, see :mod:`ckptlib.ranges`)."""
+
+    name: str                 # key in the output state dict
+    source: str               # parameter or buffer name in the checkpoint
+    key: Optional[str]        # optimizer state key, or None for weights/buffers
+    kind: str                 # "trainable", "frozen", "tied", "buffer" or "state"
+    shape: tuple
+    dtype: str                # output dtype name
+    ranges: tuple = field(default=(), repr=False)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * itemsize(self.dtype)
+
+    @property
+    def read_bytes(self) -> int:
+        return stored_bytes(self.ranges)
+
+
+@dataclass
+class WeightsFile:
+    """A safetensors or torch file holding ``tensors`` in this order (``metadata``: safetensors' header
+    ``__metadata__``)."""
+
+    name: str
+    format: str               # "safetensors" or "torch"
+    tensors: list
+    metadata: dict = field(default_factory=dict)
+    kind: str = "weights"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    write_bytes = nbytes
+
+    @property
+    def read_bytes(self) -> int:
+        return sum(t.read_bytes for t in self.tensors)
+
+
+@dataclass
+class TreeFile:
+    """A torch file written from the object tree ``obj`` (``kind`` says what it is for the user;
+    ``rank`` and ``source_ranks``: the target rank it is for, and the source ranks whose bytes it reads)."""
+
+    name: str
+    kind: str
+    obj: Any = field(repr=False)
+    read_bytes: int = 0
+    write_bytes: int = 0
+    rank: Optional[int] = None
+    source_ranks: list = field(default_factory=list)
+
+
+@dataclass
+class CopyFile:
+    """A file copied byte for byte from ``source``."""
+
+    name: str
+    source: str
+    write_bytes: int
+    kind: str = "copy"
+    rank: Optional[int] = None
+    source_ranks: list = field(default_factory=list)
+    obj: Any = None
+
+    @property
+    def read_bytes(self) -> int:
+        return self.write_bytes
+
+
+@dataclass
+class TextFile:
+    """Small text written once everything else is (in the order of the plan's ``finals``)."""
+
+    name: str
+    text: str
+    kind: str = "text"
+
+
+@dataclass(kw_only=True)
+class Plan:
+    """What every plan has. ``files`` are written first (in parallel units, see :mod:`ckptlib.execute`),
+    then ``finals`` in order; ``folders`` are made before anything. ``workers`` writers run as threads
+    or processes (``parallel``); each streams through three buffers of ``chunk_bytes``."""
+
+    action: ClassVar[str] = "run"
+    source: SourceRef
+    out: Path
+    files: list
+    finals: list = field(default_factory=list)
+    folders: list = field(default_factory=list)
+    chunk_bytes: int
+    workers: int = 1
+    parallel: str = THREADS
+    overwrite: bool = False
+    notes: list = field(default_factory=list)
+
+    @property
+    def read_bytes(self) -> int:
+        return sum(f.read_bytes for f in self.files)
+
+    @property
+    def write_bytes(self) -> int:
+        """Bytes of the files written in units (the text finals are not counted)."""
+        return sum(f.write_bytes for f in self.files)
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        """Anonymous memory a run adds to each process that writes: each writing thread's streaming
+        buffers plus a fixed allowance (with processes, per process), whatever the model size."""
+        return predicted_peak_bytes(self.chunk_bytes, self.workers if self.parallel == THREADS else 1)
+
+    def summary_lines(self) -> list[str]:
+        """The lines every plan's description shares: what is read and written, and the memory."""
+        who = (f"{self.workers} writing thread(s), 3 streaming buffers each" if self.parallel == THREADS
+               else f"per process; {self.workers} process(es), 3 streaming buffers each")
+        return [f"reads {human_bytes(self.read_bytes)} of {human_bytes(self.source.total_bytes)}; writes "
+                f"{human_bytes(self.write_bytes)} in {len(self.files) + len(self.finals)} files",
+                f"predicted peak memory: {human_bytes(self.predicted_peak_bytes)} ({who}, "
+                f"{human_bytes(self.chunk_bytes)} chunks; independent of the model size)"]
+
+    def describe(self) -> str:
+        return "\n".join([f"{self.action} {self.source.tag_dir} -> {self.out}", *self.summary_lines()])
+
+    def _repr_pretty_(self, p, cycle):  # IPython shows the description
+        p.text(self.describe())
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({len(self.files)} files, {human_bytes(self.write_bytes)} -> "
+                f"{str(self.out)!r})")
+
+
+__all__ = ["THREADS", "PROCESSES", "SourceRef", "PlannedTensor", "WeightsFile", "TreeFile", "CopyFile", "TextFile",
+           "Plan"]

@@ -1,0 +1,103 @@
+"""Planning a reshard of a ZeRO-1/2/3 checkpoint for another data-parallel size (metadata only)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar, Optional, Union
+
+from ..deepspeed import NO_ZERO, Checkpoint, open_checkpoint
+from ..deepspeed import files as fnames
+from ..errors import CkptError, UnsupportedCheckpointError
+from ..plan import CopyFile, Plan, TextFile
+from ..streaming import DEFAULT_CHUNK_BYTES
+from ..units import human_bytes
+from .trees import converter_scripts, tree_file
+from .zero3 import Zero3Resharder
+from .zero12 import Zero12Resharder
+
+
+def default_workers() -> int:
+    """Two writing threads where there are two cores or more: one file's reads and CRCs overlap the
+    other's writes (the work is mostly in the kernel and zlib, outside the GIL)."""
+    return 2 if (os.cpu_count() or 1) >= 2 else 1
+
+
+@dataclass(kw_only=True)
+class ReshardPlan(Plan):
+    """What a reshard will write, computed from metadata (plain data). See :func:`plan_reshard`."""
+
+    action: ClassVar[str] = "reshard"
+    world_size: int
+
+    def feeds(self) -> dict:
+        """``{target rank: [source ranks whose bytes it reads]}``."""
+        return {f.rank: f.source_ranks for f in self.files if f.kind == "optim_states"}
+
+    def to_dict(self) -> dict:
+        src = self.source
+        return {
+            "source": src.tag_dir, "out": str(self.out), "tag": src.tag,
+            "zero_stage": src.zero_stage, "from_world_size": src.partition_count, "to_world_size": self.world_size,
+            "files": [{"name": f.name, "kind": f.kind, "rank": f.rank, "source_ranks": f.source_ranks,
+                       "read_bytes": f.read_bytes, "write_bytes": f.write_bytes} for f in self.files],
+            "feeds": {str(k): v for k, v in self.feeds().items()},
+            "read_bytes": self.read_bytes, "write_bytes": self.write_bytes,
+            "predicted_peak_bytes": self.predicted_peak_bytes, "notes": list(self.notes),
+        }
+
+    def describe(self) -> str:
+        src = self.source
+        lines = [f"reshard {src.tag_dir}", f"     -> {self.out}/{src.tag}",
+                 f"ZeRO {src.zero_stage} ({src.flavor}), {src.dtype}: {src.partition_count} -> {self.world_size} "
+                 "data-parallel ranks", *self.summary_lines(), "no temporary files", "target rank <- source ranks:"]
+        for r, ranks in self.feeds().items():
+            lines.append(f"  {r:>4} <- {', '.join(map(str, ranks))}")
+        for f in self.files:
+            lines.append(f"  {f.name:<60} {human_bytes(f.write_bytes):>10}")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str, os.PathLike], world_size: int, *,
+                 tag: Optional[str] = None, overwrite: bool = False,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, workers: Optional[int] = None) -> ReshardPlan:
+    """Plan rewriting a ZeRO-1/2/3 checkpoint for ``world_size`` data-parallel ranks (metadata only).
+
+    The target holds, for every target rank, the fp32 partition and every per-element optimizer state
+    re-sliced with the new padding, with ``group_paddings``, ``partition_count``, ``param_slice_mappings``
+    (and ZeRO-3 sub-groups, ``param_shapes`` and frozen fragments) recomputed, and everything else
+    carried over; ``engine.load_checkpoint`` at ``world_size`` ranks accepts it. ``workers`` files
+    are written at a time (default: 2 on machines with 2 cores or more).
+
+    Memory: the plan (object trees whose tensors are range lists, not read yet).
+    """
+    ck = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, tag=tag)
+    ck.check_readable()
+    if world_size < 1:
+        raise CkptError("the target world size must be at least 1")
+    if ck.flavor == NO_ZERO:
+        raise UnsupportedCheckpointError(
+            "this checkpoint has no ZeRO partitioning (stage 0): DeepSpeed loads it at any data-parallel size "
+            "as it is", path=ck.location.tag_dir, hint="no reshard is needed")
+    resharder = Zero3Resharder(ck, world_size) if ck.zero_stage == 3 else Zero12Resharder(ck, world_size)
+    tag_name = ck.location.tag
+    files: list = []
+    for name, obj in resharder.model_states().items():
+        rank = fnames.classify(name).dp_rank
+        files.append(tree_file(f"{tag_name}/{name}", "model_states", obj, rank))
+    for r in range(world_size):
+        name, obj = resharder.optim_states(r)
+        files.append(tree_file(f"{tag_name}/{name}", "optim_states", obj, r, resharder.feeds(r)))
+    for f in ck.files:
+        if f.kind not in (fnames.MODEL_STATES, fnames.OPTIM_STATES):
+            files.append(CopyFile(f"{tag_name}/{f.path.name}", os.fspath(f.path), f.bytes))
+    for script in converter_scripts(ck):
+        files.append(CopyFile(Path(script).name, script, os.path.getsize(script)))
+    return ReshardPlan(source=ck.source_ref(), out=Path(out).expanduser().resolve(), world_size=world_size,
+                       files=files, finals=[TextFile("latest", tag_name, kind="latest")], folders=[tag_name],
+                       chunk_bytes=chunk_bytes, overwrite=overwrite, notes=list(resharder.notes),
+                       workers=workers or default_workers())
+
+
+__all__ = ["ReshardPlan", "plan_reshard", "default_workers"]

@@ -1,0 +1,131 @@
+"""Target files of a ZeRO-1/2 (or BF16_Optimizer) checkpoint at another data-parallel size."""
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+from ..deepspeed import BF16_OPTIMIZER, Checkpoint
+from ..deepspeed import files as fnames
+from ..errors import UnsupportedCheckpointError
+from ..layout import FlatGroupLayout, Piece, reslice_by_params, reslice_flat, round_robin_order
+from ..mesh import Rank
+from ..torchzip import FragmentAddress, TensorHandle
+from .trees import optim_prefix, replace, streamed, to_ranges
+
+
+class Zero12Resharder:
+    """Target files of a ZeRO-1/2 (or BF16_Optimizer) checkpoint at ``world_size`` ranks."""
+
+    def __init__(self, ck: Checkpoint, world_size: int):
+        self.ck, self.m = ck, world_size
+        self.bf16 = ck.flavor == BF16_OPTIMIZER
+        self.src: list[FlatGroupLayout] = ck.layouts
+        self.notes: list[str] = []
+        zcfg = ck.ds_config.get("zero_optimization") or {}
+        self.round_robin = bool(zcfg.get("round_robin_gradients")) and not self.bf16
+        self.dst = [self._target_layout(lay, g) for g, lay in enumerate(self.src)]
+        self._check_source()
+
+    def _target_layout(self, src: FlatGroupLayout, g: int) -> FlatGroupLayout:
+        slots = list(src.slots)
+        if self.round_robin:  # the flat order depends on the world size: undo it for N, redo it for M
+            natural = [None] * len(slots)
+            for pos, i in enumerate(round_robin_order(len(slots), self.ck.partition_count)):
+                natural[i] = slots[pos]
+            slots = [natural[i] for i in round_robin_order(len(slots), self.m)]
+            if any(s.padding_after for s in src.slots):
+                raise UnsupportedCheckpointError(
+                    "round_robin_gradients together with parameter_alignment is not supported yet",
+                    path=self.ck.location.tag_dir)
+        return FlatGroupLayout.build([(s.name, s.shape) for s in slots], self.m,
+                                     paddings_after=[s.padding_after for s in slots], group=g)
+
+    def _reslice(self, g: int, rank: int, padded: bool) -> list:
+        if [s.name for s in self.src[g].slots] == [s.name for s in self.dst[g].slots]:
+            return reslice_flat(self.src[g], self.dst[g], rank, padded)
+        return reslice_by_params(self.src[g], self.dst[g], rank, padded)
+
+    def _group_paddings(self, layouts: list[FlatGroupLayout], rank: int, world: int) -> list[int]:
+        if self.bf16:  # BF16_Optimizer records all padding on the last rank
+            return [(lay.padded_total - lay.total) if rank == world - 1 else 0 for lay in layouts]
+        return [lay.tail_padding(rank) for lay in layouts]
+
+    def _check_source(self) -> None:
+        """The layout arithmetic must reproduce what DeepSpeed recorded in every source file."""
+        ck = self.ck
+        mismatched_mappings = False
+        for r in range(ck.partition_count):
+            osd = ck.optimizer_state_dict(Rank(dp=r))
+            if "base_optimizer_state" in osd and not isinstance(osd["base_optimizer_state"], dict):
+                raise UnsupportedCheckpointError(
+                    "elastic ZeRO-1/2 optimizer state (saved with elastic_checkpoint: true) cannot be resharded yet "
+                    f"(written by {ck.written_by()})", path=ck.location.tag_dir)
+            want = self._group_paddings(self.src, r, ck.partition_count)
+            if list(osd.get("group_paddings", want)) != want:
+                raise UnsupportedCheckpointError(
+                    f"rank {r}: group_paddings {list(osd['group_paddings'])} differ from the layout's {want}; "
+                    "this partition layout is not one ckptlib knows how to re-slice", path=ck.location.tag_dir)
+            for g, mapping in enumerate(osd.get("param_slice_mappings") or []):
+                have = {n: (a.start, a.numel) for n, a in mapping.items()}
+                if have != self.src[g].slice_mappings(r):
+                    mismatched_mappings = True
+        if mismatched_mappings:
+            self.notes.append("the source's param_slice_mappings disagree with its flat layout (DeepSpeed computes "
+                              "them in natural parameter order, which is wrong under round_robin_gradients); the "
+                              "target gets mappings that match its layout")
+
+    def model_states(self) -> dict[str, Any]:
+        """``{file name: object tree}`` of the target's model-states file."""
+        model = self.ck.model_states_file().obj
+        repl: dict = dict(dp_world_size=self.m)
+        if self.round_robin:  # param_shapes lists each group in its flat (round-robin) order
+            import torch
+
+            repl["param_shapes"] = [collections.OrderedDict((s.name, torch.Size(s.shape)) for s in lay.slots)
+                                    for lay in self.dst]
+        return {fnames.model_states_name(): replace(model, **repl)}
+
+    def optim_states(self, rank: int) -> tuple[str, Any]:
+        """``(file name, object tree)`` of target ``rank``'s optimizer-states file."""
+        ck, m = self.ck, self.m
+        top = ck.optim_states_file(Rank()).obj
+        osd0 = top["optimizer_state_dict"]
+        fp32 = []
+        for g in range(len(self.src)):
+            pieces = self._reslice(g, rank, padded=self.bf16)
+            rg = ck.partition_tensor(Rank(), g).requires_grad
+            fp32.append(streamed("float32", to_ranges(ck, pieces, None), requires_grad=rg))
+        base = osd0["base_optimizer_state"]
+        state = type(base["state"])()
+        for g, st in base["state"].items():
+            new = type(st)()
+            for key, v in st.items():
+                if isinstance(v, TensorHandle) and v.numel == self.src[g].partition_size and v.numel > 1:
+                    pieces = self._reslice(g, rank, padded=True)
+                    new[key] = streamed(v.dtype_name, to_ranges(ck, pieces, key), requires_grad=v.requires_grad)
+                else:
+                    new[key] = v  # step and other scalars: the same on every rank
+            state[g] = new
+        counts = osd0.get("partition_count")
+        mappings = [collections.OrderedDict((n, FragmentAddress(numel=cnt, start=start))
+                                            for n, (start, cnt) in dst.slice_mappings(rank).items()) for dst in self.dst]
+        repl = dict(
+            single_partition_of_fp32_groups=fp32,
+            base_optimizer_state=replace(base, state=state),
+            group_paddings=self._group_paddings(self.dst, rank, m),
+            partition_count=[m] * len(counts) if isinstance(counts, (list, tuple)) else m,
+        )
+        if "param_slice_mappings" in osd0:
+            repl["param_slice_mappings"] = mappings
+        new_top = replace(top, optimizer_state_dict=replace(osd0, **repl))
+        return fnames.optim_states_name(rank, prefix=optim_prefix(ck)), new_top
+
+    def feeds(self, rank: int) -> list[int]:
+        """The source ranks whose bytes target ``rank`` reads."""
+        ranks = set()
+        for g in range(len(self.src)):
+            ranks |= {p.rank for p in self._reslice(g, rank, True) if isinstance(p, Piece)}
+        return sorted(ranks)
+
+
+__all__ = ["Zero12Resharder"]

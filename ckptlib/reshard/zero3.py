@@ -1,0 +1,113 @@
+"""Target files of a ZeRO-3 checkpoint at another data-parallel size (sub-groups re-cut as DeepSpeed would)."""
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+from ..deepspeed import Checkpoint
+from ..deepspeed import files as fnames
+from ..errors import UnsupportedCheckpointError
+from ..layout import Piece, Zero3Layout, chunk_size, reslice_zero3, zero3_sub_groups
+from ..mesh import Rank
+from ..ranges import Zeros, slice_ranges
+from ..torchzip import TensorHandle
+from .trees import copied, optim_prefix, replace, streamed, sub_group_size, to_ranges
+
+
+class Zero3Resharder:
+    """Target files of a ZeRO-3 checkpoint at ``world_size`` ranks."""
+
+    def __init__(self, ck: Checkpoint, world_size: int):
+        self.ck, self.m = ck, world_size
+        self.notes: list[str] = []
+        n = ck.partition_count
+        self.src: Zero3Layout = ck.layouts[0]
+        self.sub_group_size = sub_group_size(ck)
+        groups = ck.optimizer_state_dict(Rank())["optimizer_state_dict"]["param_groups"]
+        src_subs = [[s for s in self.src.slots if s.sub_group == k] for k in range(len(self.src.sub_group_sizes))]
+        self.group_params: list[list] = []
+        for g, group in enumerate(groups):
+            params = [s for k in group["params"] for s in src_subs[k]]
+            self.group_params.append(params)
+            # DeepSpeed's rule must reproduce the source's own cut before we trust it for the target
+            cut = zero3_sub_groups([s.numel for s in params], n, self.sub_group_size)
+            if [[params[i].name for i in c] for c in cut] != [[s.name for s in src_subs[k]] for k in group["params"]]:
+                raise UnsupportedCheckpointError(
+                    f"the ZeRO-3 sub-groups of parameter group {g} do not follow sub_group_size="
+                    f"{self.sub_group_size}; ckptlib cannot tell how DeepSpeed would cut them at {world_size} ranks",
+                    path=ck.location.tag_dir)
+        dst_subs, self.dst_group_subs = [], []
+        for params in self.group_params:
+            cut = zero3_sub_groups([s.numel for s in params], world_size, self.sub_group_size)
+            self.dst_group_subs.append(list(range(len(dst_subs), len(dst_subs) + len(cut))))
+            dst_subs += [[(params[i].name, params[i].shape) for i in c] for c in cut]
+        self.dst = Zero3Layout.build(dst_subs, world_size)
+        if len(dst_subs) != len(src_subs):
+            self.notes.append(f"sub-groups re-cut for {world_size} ranks: {len(src_subs)} -> {len(dst_subs)}")
+
+    def _param_shapes(self) -> list:
+        import torch
+
+        return [collections.OrderedDict((s.name, torch.Size(s.shape)) for s in self.dst.slots if s.sub_group == k)
+                for k in range(len(self.dst.sub_group_sizes))]
+
+    def model_states(self) -> dict[str, Any]:
+        """``{file name: object tree}`` of the target's model-states files (one per rank)."""
+        ck, m = self.ck, self.m
+        model0 = ck.model_states_file(Rank()).obj
+        frozen = [p for p in ck.parameters if not p.trainable and not p.tied_to and p.name in ck.records.index.frozen]
+        out = {}
+        for r in range(m):
+            frags = collections.OrderedDict()
+            for p in frozen:
+                c = chunk_size(p.numel, m)
+                real = max(0, min(c, p.numel - r * c))
+                ranges = (slice_ranges(ck.sources(p.name), r * c, real) if real else []) + \
+                    ([Zeros(c - real)] if c - real else [])
+                frags[p.name] = streamed(ck.frozen_chunks(p.name)[0].dtype_name, ranges)
+            repl = dict(dp_world_size=m, param_shapes=self._param_shapes())
+            if model0.get("frozen_param_fragments") is not None:
+                repl["frozen_param_fragments"] = type(model0["frozen_param_fragments"])(frags)
+            if r != 0 and "shared_params" in model0:
+                repl["shared_params"] = type(model0["shared_params"])() if isinstance(model0["shared_params"], dict) \
+                    else model0["shared_params"]
+            out[fnames.model_states_name(dp_rank=r)] = replace(model0, **repl)
+        return out
+
+    def optim_states(self, rank: int) -> tuple[str, Any]:
+        """``(file name, object tree)`` of target ``rank``'s optimizer-states file."""
+        ck, m = self.ck, self.m
+        top = ck.optim_states_file(Rank()).obj
+        osd0 = top["optimizer_state_dict"]
+        inner = osd0["optimizer_state_dict"]
+        rg = ck.partition_tensor(Rank(), 0).requires_grad
+        flats = [streamed("float32", to_ranges(ck, reslice_zero3(self.src, self.dst, rank, k), None), requires_grad=rg)
+                 for k in range(len(self.dst.sub_group_sizes))]
+        state = type(inner["state"])()
+        groups = []
+        for g, group in enumerate(inner["param_groups"]):
+            first_src = group["params"][0]
+            template = inner["state"].get(first_src, {})
+            for k in self.dst_group_subs[g]:
+                new = type(template)()
+                for key, v in template.items():
+                    if isinstance(v, TensorHandle) and v.numel == self.src.sub_group_sizes[first_src] and v.numel > 1:
+                        pieces = reslice_zero3(self.src, self.dst, rank, k)
+                        new[key] = streamed(v.dtype_name, to_ranges(ck, pieces, key), requires_grad=v.requires_grad)
+                    else:  # step and other scalars; each sub-group keeps a tensor of its own, as DeepSpeed saves it
+                        new[key] = copied(v) if isinstance(v, TensorHandle) else v
+                state[k] = new
+            groups.append(replace(group, params=list(self.dst_group_subs[g])))
+        new_inner = replace(inner, state=state, param_groups=groups)
+        new_osd = replace(osd0, partition_count=m, fp32_flat_groups=flats, optimizer_state_dict=new_inner)
+        return (fnames.optim_states_name(rank, prefix=optim_prefix(ck)), replace(top, optimizer_state_dict=new_osd))
+
+    def feeds(self, rank: int) -> list[int]:
+        """The source ranks whose bytes target ``rank`` reads."""
+        ranks = set()
+        for k in range(len(self.dst.sub_group_sizes)):
+            ranks |= {p.rank for p in reslice_zero3(self.src, self.dst, rank, k) if isinstance(p, Piece)}
+        return sorted(ranks)
+
+
+__all__ = ["Zero3Resharder"]

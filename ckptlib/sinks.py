@@ -1,0 +1,163 @@
+"""Where streamed bytes go: output files written with ``pwrite`` at known offsets, going on to disk as
+they grow (:class:`WriteBehind`), and copies between files inside the kernel (:func:`kernel_copy`).
+
+Memory: none beyond the bytes handed in.
+"""
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import sys
+import zlib
+from typing import Optional
+
+from .torchzip.zipfmt import crc32_combine
+
+# write(2) in pieces of this size: on the machine measured, writing 3.5 GiB into the page cache in
+# 16 MiB calls took 3.7x the system time of 1 MiB calls (bench/write_path.py, docs/benchmarks.md)
+WRITE_SLICE = 2**20
+
+
+def _load_sync_file_range():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:  # the symbols already loaded into the process (libc among them); find_library would spawn ldconfig
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_sync_file_range = _load_sync_file_range()
+_SFR_WAIT_BEFORE, _SFR_WRITE, _SFR_WAIT_AFTER = 1, 2, 4
+
+
+class WriteBehind:
+    """Writes an output file's dirty pages to disk as it grows and then drops them from the page cache.
+
+    Every ``window`` bytes written in a row are handed to the disk at once (Linux ``sync_file_range``);
+    once ``lag`` more windows are in flight, the oldest is waited for and its (now clean) pages are
+    released (``posix_fadvise(DONTNEED)``). A multi-GB output then never fills the page cache with
+    dirty pages, so the kernel neither throttles the writer nor starts bulk writeback in the middle
+    of the run, and the final ``fsync`` has little left to do; the page cache the file takes stays
+    about ``(lag + 1) * window`` (144 MiB by default; enough in flight for high-latency storage). On
+    the 2-core VM of ``bench/`` writing 3.5 GiB took 1.6 s instead of 3.4 s without it (both with
+    ``fsync``; ``bench/write_path.py``). Elsewhere it degrades to ``posix_fadvise`` alone, or to
+    nothing. ``CKPTLIB_WRITE_BEHIND=0`` in the environment turns it off (plain buffered writes).
+    """
+
+    def __init__(self, fd: int, window: int = 16 * 2**20, lag: int = 8):
+        self.fd, self.window, self.lag = fd, window, lag
+        self.enabled = os.environ.get("CKPTLIB_WRITE_BEHIND", "1") != "0"
+        self._run: Optional[list] = None  # [start, end) of the bytes written in a row, not handed over yet
+        self._flight: collections.deque = collections.deque()
+
+    def wrote(self, offset: int, nbytes: int) -> None:
+        if nbytes <= 0 or not self.enabled:
+            return
+        if self._run is not None and self._run[1] == offset:
+            self._run[1] += nbytes
+        else:
+            self._hand_over()
+            self._run = [offset, offset + nbytes]
+        if self._run[1] - self._run[0] >= self.window:
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        if self._run is None:
+            return
+        start, end = self._run
+        self._run = None
+        if _sync_file_range is not None:
+            _sync_file_range(self.fd, start, end - start, _SFR_WRITE)
+        self._flight.append((start, end))
+        while len(self._flight) > self.lag:
+            self._release(*self._flight.popleft())
+
+    def _release(self, start: int, end: int) -> None:
+        if _sync_file_range is not None:
+            _sync_file_range(self.fd, start, end - start, _SFR_WAIT_BEFORE | _SFR_WRITE | _SFR_WAIT_AFTER)
+        if hasattr(os, "posix_fadvise"):
+            try:
+                os.posix_fadvise(self.fd, start, end - start, os.POSIX_FADV_DONTNEED)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        """Hand over and release everything still pending (the data is then on its way to disk)."""
+        self._hand_over()
+        while self._flight:
+            self._release(*self._flight.popleft())
+
+
+def pwrite_all(fd: int, data, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` of ``fd``, in :data:`WRITE_SLICE` pieces."""
+    mv = memoryview(data).cast("B")
+    done, n = 0, mv.nbytes
+    while done < n:
+        done += os.pwrite(fd, mv[done:done + WRITE_SLICE], offset + done)
+
+
+def kernel_copy(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, nbytes: int,
+                step: int = 64 * 2**20) -> None:
+    """Copy ``nbytes`` between two files inside the kernel (``copy_file_range``: no user-space buffer),
+    falling back to 1 MiB ``pread``/``pwrite`` where the kernel cannot."""
+    done = 0
+    while done < nbytes:
+        n = min(step, nbytes - done)
+        try:
+            k = os.copy_file_range(src_fd, dst_fd, n, src_offset + done, dst_offset + done)
+        except OSError:  # not supported between these files
+            k = 0
+        if k <= 0:
+            data = os.pread(src_fd, min(n, 2**20), src_offset + done)
+            if not data:
+                raise OSError(f"unexpected end of file copying {nbytes} bytes")
+            k = os.pwrite(dst_fd, data, dst_offset + done)
+        done += k
+
+
+class PwriteSink:
+    """Writes consecutive chunks at a moving offset of an open file (``os.pwrite``); callable as ``write``.
+
+    With ``crc=True`` it keeps the CRC-32 of everything written (``self.crc``); chunks may come with
+    their CRC already computed. Without, :meth:`copy_from` copies bytes straight from another file
+    inside the kernel (:func:`kernel_copy`). With a :class:`WriteBehind`, what is written goes on to
+    disk as the file grows.
+    """
+
+    def __init__(self, fd: int, offset: int, crc: bool = False, behind: Optional[WriteBehind] = None):
+        self.fd, self.offset, self.start = fd, offset, offset
+        self.takes_crc = crc
+        self.can_copy = not crc
+        self.crc = 0
+        self.behind = behind
+
+    @property
+    def written(self) -> int:
+        return self.offset - self.start
+
+    def write(self, data, crc: Optional[int] = None) -> None:
+        mv = memoryview(data).cast("B")
+        pwrite_all(self.fd, mv, self.offset)
+        if self.takes_crc:
+            self.crc = crc32_combine(self.crc, zlib.crc32(mv) if crc is None else crc, mv.nbytes)
+        if self.behind is not None:
+            self.behind.wrote(self.offset, mv.nbytes)
+        self.offset += mv.nbytes
+
+    __call__ = write
+
+    def copy_from(self, src_fd: int, src_offset: int, nbytes: int) -> None:
+        if self.takes_crc:
+            raise RuntimeError("a CRC-keeping sink cannot copy inside the kernel")
+        kernel_copy(src_fd, src_offset, self.fd, self.offset, nbytes)
+        if self.behind is not None:
+            self.behind.wrote(self.offset, nbytes)
+        self.offset += nbytes
+
+
+__all__ = ["WriteBehind", "PwriteSink", "pwrite_all", "kernel_copy", "WRITE_SLICE"]

@@ -1,0 +1,115 @@
+"""The safetensors format: a file's header and byte layout, computed before any data is written, and
+read back from an existing file (no torch, no safetensors package needed).
+
+A safetensors file is an 8-byte little-endian header length, a JSON header (``__metadata__`` and, per
+tensor, ``dtype``, ``shape`` and ``data_offsets`` relative to the data start), padded to 8 bytes, then
+the tensors' bytes in order.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from .dtypes import BY_NAME, itemsize, lookup
+
+_FROM_CODE = {d.safetensors: d.name for d in BY_NAME.values() if d.safetensors}
+MAX_HEADER = 100 * 2**20
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor of a safetensors file: ``name``, ``dtype`` (a name) and ``shape``."""
+
+    name: str
+    dtype: str
+    shape: tuple
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * itemsize(self.dtype)
+
+
+class SafetensorsLayout:
+    """The byte layout of a safetensors file holding ``tensors`` in the given order."""
+
+    def __init__(self, tensors: Sequence[TensorSpec], metadata: Optional[dict] = None):
+        self.tensors = list(tensors)
+        header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
+        self.offsets: dict[str, tuple[int, int]] = {}
+        pos = 0
+        for t in self.tensors:
+            code = lookup(t.dtype).safetensors
+            if code is None:
+                raise ValueError(f"safetensors cannot hold dtype {t.dtype}")
+            header[t.name] = {"dtype": code, "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
+            self.offsets[t.name] = (pos, pos + t.nbytes)
+            pos += t.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.header = struct.pack("<Q", len(raw)) + raw
+        self.data_start = len(self.header)
+        self.file_size = self.data_start + pos
+
+    def create(self, path: str | os.PathLike) -> None:
+        """Create the file with its header and its final size (the data is written at :meth:`tensor_offset`)."""
+        with open(path, "wb") as f:
+            f.write(self.header)
+            f.truncate(self.file_size)
+
+    def tensor_offset(self, name: str) -> int:
+        """Absolute byte offset of tensor ``name``'s data in the file."""
+        return self.data_start + self.offsets[name][0]
+
+
+@dataclass(frozen=True)
+class StoredTensorInfo:
+    """A tensor found in an existing safetensors file: its spec and where its bytes are."""
+
+    name: str
+    dtype: str
+    shape: tuple
+    offset: int   # absolute byte offset in the file
+    nbytes: int
+
+
+def read_header(path: str | os.PathLike) -> tuple[dict, list[StoredTensorInfo]]:
+    """``(metadata, tensors)`` of a safetensors file, from its header alone (reads a few KB).
+
+    Raises:
+        ValueError: the file is not a safetensors file (the message says what is wrong).
+    """
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise ValueError("too short for a safetensors file")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER:
+            raise ValueError(f"header of {n} bytes is larger than safetensors allows")
+        raw = f.read(n)
+        size = os.fstat(f.fileno()).st_size
+    if len(raw) != n:
+        raise ValueError("the header is truncated")
+    try:
+        header = json.loads(raw)
+    except ValueError as e:
+        raise ValueError(f"the header is not JSON ({e})") from None
+    meta = header.pop("__metadata__", None) or {}
+    out = []
+    for name, entry in header.items():
+        try:
+            dtype = _FROM_CODE[entry["dtype"]]
+            start, end = (int(x) for x in entry["data_offsets"])
+            shape = tuple(int(s) for s in entry["shape"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"tensor {name!r} has a malformed header entry") from None
+        if end - start != math.prod(shape) * itemsize(dtype) or 8 + n + end > size:
+            raise ValueError(f"tensor {name!r}: its data_offsets do not match its shape or the file size")
+        out.append(StoredTensorInfo(name, dtype, shape, 8 + n + start, end - start))
+    return meta, sorted(out, key=lambda t: t.offset)
+
+
+__all__ = ["TensorSpec", "SafetensorsLayout", "StoredTensorInfo", "read_header"]

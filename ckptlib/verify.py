@@ -1,0 +1,298 @@
+"""Checking a run's output against its source, and a plan against the machine, before and after a run.
+
+- :func:`verify` re-opens what a run wrote and compares every tensor with the source checkpoint, bit
+  for bit, streaming both in chunks (an export's tensors in their output dtype; a reshard's masters,
+  optimizer states, frozen parameters and buffers by re-reading the output as a checkpoint; a universal
+  checkpoint's fragment files). The source is opened afresh, so the comparison does not trust the plan.
+- :func:`preflight` says whether a plan's predicted memory and its bytes to write fit what this machine
+  has (memory, cgroup limit, free disk).
+
+No widgets, no plots: the CLI (``--verify``), the wizards and the notebooks all call this.
+Memory: two chunks of ``chunk_bytes`` at a time, whatever the tensor sizes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from .deepspeed import Checkpoint, open_checkpoint
+from .dtypes import itemsize
+from .errors import CkptError
+from .memory import MemoryVerdict, memory_verdict
+from .plan import Plan
+from .progress import check_cancel
+from .ranges import numel, slice_ranges
+from .sources import SourceFiles
+from .stformat import read_header
+from .streaming import DEFAULT_CHUNK_BYTES, read_ranges
+from .torchzip import TensorHandle, open_torch_file
+from .units import human_bytes
+
+MAX_LISTED = 5  # mismatches named in a check's detail
+
+
+@dataclass
+class Check:
+    """One verification check: what was checked, whether it held, and details."""
+
+    what: str
+    ok: bool
+    detail: str = ""
+
+
+@dataclass
+class Verification:
+    """The checks of one output and the bytes compared."""
+
+    out: Path
+    checks: list = field(default_factory=list)
+    bytes_compared: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.checks) and all(c.ok for c in self.checks)
+
+    def describe(self) -> str:
+        lines = [f"{'ok  ' if c.ok else 'FAIL'} {c.what}" + (f" ({c.detail})" if c.detail else "") for c in self.checks]
+        lines.append(f"{'verified' if self.ok else 'verification FAILED'}: {self.out} "
+                     f"({human_bytes(self.bytes_compared)} compared bit for bit)")
+        return "\n".join(lines)
+
+
+class _Comparer:
+    """Streams pairs of range lists chunk by chunk and compares their bytes (as one dtype)."""
+
+    def __init__(self, chunk_bytes: int, progress: Callable[[int], None], cancel):
+        self.files = SourceFiles()
+        self.chunk_bytes, self.progress, self.cancel = chunk_bytes, progress, cancel
+        self.compared = 0
+
+    def equal(self, a: list, b: list, dtype: str) -> bool:
+        """Whether ranges ``a`` (cast to ``dtype``) and ``b`` (cast to ``dtype``) hold the same bits."""
+        import torch
+
+        n = numel(a)
+        if numel(b) != n:
+            return False
+        step = max(1, self.chunk_bytes // max(itemsize(dtype), 4))
+        for pos in range(0, n, step):
+            check_cancel(self.cancel)
+            k = min(step, n - pos)
+            x = read_ranges(slice_ranges(a, pos, k), dtype, self.files)
+            y = read_ranges(slice_ranges(b, pos, k), dtype, self.files)
+            same = torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+            self.compared += 2 * k * itemsize(dtype)
+            self.progress(k * itemsize(dtype))
+            if not same:
+                return False
+        return True
+
+    def close(self) -> None:
+        self.files.close()
+
+
+def _tally(what: str, total: int, bad: list[str]) -> Check:
+    listed = ", ".join(bad[:MAX_LISTED]) + (f" and {len(bad) - MAX_LISTED} more" if len(bad) > MAX_LISTED else "")
+    return Check(what, not bad, f"{total - len(bad)} of {total}" + (f"; differ: {listed}" if bad else ""))
+
+
+def _handle_ranges(obj, what: str) -> list:
+    if not isinstance(obj, TensorHandle):
+        raise CkptError(f"{what} is not a tensor")
+    return obj.ranges()
+
+
+# ============================================================================================ export
+def _output_tensors(path: Path, fmt: str) -> dict:
+    """``{name: (dtype, shape, ranges)}`` of an exported file, from its header or pickle (no tensor data)."""
+    if fmt == "safetensors":
+        from .ranges import StoredRange
+
+        _, infos = read_header(path)
+        return {t.name: (t.dtype, t.shape, [StoredRange(os.fspath(path), t.offset, t.dtype,
+                                                        t.nbytes // itemsize(t.dtype))]) for t in infos}
+    with open_torch_file(path) as tf:
+        return {k: (h.dtype_name, tuple(h.shape), h.ranges()) for k, h in tf.obj.items() if isinstance(h, TensorHandle)}
+
+
+def _verify_export(plan, src: Checkpoint, out: Path, cmp: _Comparer) -> list[Check]:
+    checks = []
+    missing = [f.name for f in list(plan.files) + list(plan.finals) if not (out / f.name).is_file()]
+    checks.append(Check("every planned file is there", not missing,
+                        f"{len(plan.files) + len(plan.finals)} file(s)" + (f"; missing {', '.join(missing)}"
+                                                                          if missing else "")))
+    if missing:
+        return checks
+    found, bad_names = {}, []
+    for f in plan.files:
+        try:
+            tensors = _output_tensors(out / f.name, f.format)
+        except (CkptError, ValueError) as e:
+            bad_names.append(f"{f.name}: {e}")
+            continue
+        want = {t.name: (t.dtype, tuple(t.shape)) for t in f.tensors}
+        if {k: v[:2] for k, v in tensors.items()} != want:
+            bad_names.append(f.name)
+        found.update({(f.name, k): v for k, v in tensors.items()})
+    checks.append(_tally("each file holds exactly the planned tensors (names, dtypes, shapes)", len(plan.files),
+                         bad_names))
+    for index, names in plan.index_files.items():
+        with open(out / index) as fh:
+            weight_map = json.load(fh).get("weight_map", {})
+        want = {t.name: Path(f.name).name for f in plan.files if f.name in names for t in f.tensors}
+        checks.append(Check(f"{index} maps every tensor to its shard", weight_map == want, f"{len(want)} tensors"))
+    bad = []
+    for f in plan.files:
+        for t in f.tensors:
+            got = found.get((f.name, t.name))
+            if got is None or not cmp.equal(src.sources(t.source, t.key), got[2], t.dtype):
+                bad.append(t.name if not t.key else f"{t.key}/{t.name}")
+    checks.append(_tally("every tensor equals the checkpoint's value, bit for bit", len(plan.tensors), bad))
+    return checks
+
+
+# ============================================================================================ reshard
+def _verify_reshard(plan, src: Checkpoint, out: Path, cmp: _Comparer) -> list[Check]:
+    try:
+        new = open_checkpoint(out)
+    except CkptError as e:
+        return [Check("the output opens as a checkpoint", False, str(e))]
+    with new:
+        checks = [Check("the output opens as a checkpoint, no problems found", not new.problems,
+                        "; ".join(new.problems) or f"tag {new.location.tag}, ZeRO-{new.zero_stage}")]
+        ranks = {f.dp_rank for f in new.files if f.kind == "optim_states"}
+        checks.append(Check(f"partitioned for {plan.world_size} ranks",
+                            new.partition_count == plan.world_size and len(ranks) == plan.world_size,
+                            f"partition count {new.partition_count}, {len(ranks)} optimizer-state files"))
+        same = [(p.name, p.shape, p.trainable, p.tied_to) for p in new.parameters] == \
+            [(p.name, p.shape, p.trainable, p.tied_to) for p in src.parameters]
+        checks.append(Check("same parameters, shapes, frozen and tied ones", same, f"{len(new.parameters)} parameters"))
+        if new.problems or not same:
+            return checks
+        keys = list(src.optimizer.state_keys) if src.optimizer else []
+        trainable = [p for p in src.parameters if p.trainable and not p.tied_to]
+        bad = [p.name for p in trainable if not cmp.equal(src.sources(p.name), new.sources(p.name), "float32")]
+        checks.append(_tally("every fp32 master equals the source's, bit for bit", len(trainable), bad))
+        for key in keys:
+            bad = [p.name for p in trainable if not cmp.equal(src.sources(p.name, key), new.sources(p.name, key),
+                                                             "float32")]
+            checks.append(_tally(f"every {key} equals the source's, bit for bit", len(trainable), bad))
+        others = [p for p in src.parameters if not p.trainable and not p.tied_to and p.name in src.records.index.frozen]
+        bad = [p.name for p in others if not cmp.equal(src.sources(p.name), new.sources(p.name),
+                                                       src.frozen_chunks(p.name)[0].dtype_name)]
+        bad += [b.name for b in src.buffers if not cmp.equal(src.sources(b.name), new.sources(b.name), b.dtype)]
+        checks.append(_tally("frozen parameters and buffers equal the source's", len(others) + len(src.buffers), bad))
+        step_a = src.optimizer.step if src.optimizer else None
+        step_b = new.optimizer.step if new.optimizer else None
+        checks.append(Check("the optimizer step is the source's", step_a == step_b, f"step {step_b}"))
+    return checks
+
+
+# ============================================================================================ universal
+def _verify_universal(plan, src: Checkpoint, out: Path, cmp: _Comparer) -> list[Check]:
+    latest = out / plan.finals[0].name
+    checks = [Check(f"{latest.name} names {plan.universal_tag}",
+                    latest.is_file() and latest.read_text().strip() == plan.universal_tag)]
+    missing = [f.name for f in plan.files if not (out / f.name).is_file()]
+    checks.append(Check("every planned file is there", not missing,
+                        f"{len(plan.files)} file(s)" + (f"; missing {', '.join(missing[:MAX_LISTED])}" if missing else "")))
+    if missing:
+        return checks
+    bad, total = [], 0
+    keys = list(src.optimizer.state_keys) if src.optimizer else []
+    for p in src.parameters:
+        if p.tied_to or not p.trainable:
+            continue
+        for key in [None] + keys:
+            path = out / plan.universal_tag / "zero" / p.name / f"{key or 'fp32'}.pt"
+            if key is not None and not path.is_file():
+                continue  # a state the universal layout does not carry (see the plan's notes)
+            total += 1
+            with open_torch_file(path) as tf:
+                obj = tf.obj["param"] if isinstance(tf.obj, dict) else tf.obj
+                ok = isinstance(obj, TensorHandle) and tuple(obj.shape) == tuple(p.shape) and \
+                    cmp.equal(src.sources(p.name, key), obj.ranges(), "float32")
+            if not ok:
+                bad.append(f"{p.name}/{key or 'fp32'}")
+    checks.append(_tally("every fp32 master and optimizer state equals the source's, bit for bit", total, bad))
+    return checks
+
+
+# ============================================================================================ entry points
+def verify(plan: Plan, out: Optional[os.PathLike] = None, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+           progress: Callable[[int], None] = lambda n: None, cancel=None) -> Verification:
+    """Re-open the output of ``plan`` (at ``out``, default ``plan.out``) and compare every tensor with the
+    source, bit for bit. Returns the checks; :attr:`Verification.ok` says whether all held.
+
+    Memory: two chunks of ``chunk_bytes``, whatever the model size. Reads the whole output and the
+    source ranges it was made from.
+    """
+    out = Path(out if out is not None else plan.out)
+    result = Verification(out=out)
+    do = {"export": _verify_export, "reshard": _verify_reshard, "universal": _verify_universal}.get(plan.action)
+    if do is None:
+        raise CkptError(f"cannot verify the output of a {plan.action!r} plan")
+    if not out.is_dir():
+        result.checks.append(Check("the output folder exists", False, str(out)))
+        return result
+    cmp = _Comparer(chunk_bytes, progress, cancel)
+    try:
+        with open_checkpoint(plan.source.save_dir, tag=plan.source.tag) as src:
+            result.checks = do(plan, src, out, cmp)
+    finally:
+        result.bytes_compared = cmp.compared
+        cmp.close()
+    return result
+
+
+def free_disk(path: os.PathLike) -> Optional[int]:
+    """Free bytes on the file system that would hold ``path`` (its nearest existing ancestor)."""
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return shutil.disk_usage(p).free
+    except OSError:
+        return None
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """Whether a plan fits this machine: the memory verdict and the disk (bytes to write vs free)."""
+
+    memory: MemoryVerdict
+    disk_needed: int
+    disk_free: Optional[int]
+
+    @property
+    def disk_ok(self) -> bool:
+        return self.disk_free is None or self.disk_needed <= self.disk_free
+
+    @property
+    def ok(self) -> bool:
+        return self.memory.fits and self.disk_ok
+
+    @property
+    def disk_message(self) -> str:
+        free = "unknown" if self.disk_free is None else human_bytes(self.disk_free)
+        verdict = "fits" if self.disk_ok else "does NOT fit"
+        return f"{verdict}: writes {human_bytes(self.disk_needed)}, {free} free"
+
+    def describe(self) -> str:
+        return f"memory: {self.memory}\ndisk  : {self.disk_message}"
+
+    def __str__(self) -> str:
+        return self.describe()
+
+
+def preflight(plan: Plan) -> Preflight:
+    """The memory and disk verdicts of ``plan`` on this machine (before running it)."""
+    return Preflight(memory=memory_verdict(plan.predicted_peak_bytes), disk_needed=plan.write_bytes,
+                     disk_free=free_disk(plan.out))
+
+
+__all__ = ["Check", "Verification", "verify", "Preflight", "preflight", "free_disk"]
