@@ -8,11 +8,15 @@ RssFile, and bytes read from storage. Memory is also given over each tool's own 
 process that only imports what the tool imports). The outputs are compared tensor by tensor. Results
 are printed as a markdown table with ckptlib/DeepSpeed ratios (make the checkpoints with
 bench/make_checkpoint.py; see docs/benchmarks.md).
+
+``--before SRC`` also runs ckptlib from another source tree (e.g. a clone at an earlier commit) in the
+same rounds, right after the current one, to measure a change: its rows are marked "(before)".
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -49,7 +53,15 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None, help="also write the raw figures here")
+    ap.add_argument("--before", type=Path, default=None, help="also run ckptlib from this source tree")
     args = ap.parse_args()
+    tools = dict(TOOLS)
+    if args.before:
+        for t in [t for t in TOOLS if t != "ds"]:
+            tools[f"{t}@before"] = TOOLS[t]
+            LABELS[f"{t}@before"] = LABELS[t] + " (before)"
+    before_env = dict(os.environ, PYTHONPATH=str(args.before.resolve())) if args.before else None
+    own_work = args.work is None  # a temporary folder of ours: removed at the end (outputs are GBs)
     work = args.work or Path(tempfile.mkdtemp(prefix="ckptlib-bench-"))
     base_ck = baseline("ckptlib.cli, ckptlib.export, ckptlib.execute, tqdm")
     base_ds = baseline("torch, deepspeed, safetensors, huggingface_hub")
@@ -58,9 +70,9 @@ def main() -> int:
           f"page cache dropped before each run: {dropped}")
     rows, raw = [], {}
     for ckpt in args.checkpoints:
-        res = {tool: [] for tool in TOOLS}
+        res = {tool: [] for tool in tools}
         for r in range(args.rounds):
-            for tool, extra in TOOLS.items():
+            for tool, extra in tools.items():
                 out = work / f"{ckpt.name}-{tool}"
                 shutil.rmtree(out, ignore_errors=True)
                 drop_caches()
@@ -68,7 +80,7 @@ def main() -> int:
                     cmd = [PY, str(ckpt / "zero_to_fp32.py"), str(ckpt), str(out), "--safe_serialization"]
                 else:
                     cmd = [PY, "-m", "ckptlib", "export", str(ckpt), str(out), "-q", *extra]
-                st = run(cmd)
+                st = run(cmd, env=before_env if tool.endswith("@before") else None)
                 if st.returncode != 0:
                     print(st.stderr[-2000:], file=sys.stderr)
                     raise SystemExit(f"{tool} failed on {ckpt}")
@@ -107,6 +119,8 @@ def main() -> int:
         print(f"| {name} | outputs of DeepSpeed and ckpt export | {verdict} | | | | |")
     if args.json:
         args.json.write_text(json.dumps(raw, indent=2))
+    if own_work:
+        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 

@@ -6,11 +6,13 @@ ds_to_universal is DeepSpeed's way to change the data-parallel size (it writes a
 checkpoint, then `load_universal`); ckptlib writes the target-size checkpoint directly. Each run is a
 separate process tree (ds_to_universal uses worker processes: memory is summed over the tree), the
 page cache is dropped before each, and the output folder is watched for its peak size: temporary disk
-= peak - final. Printed as a markdown table with ratios to ds_to_universal.
+= peak - final. Printed as a markdown table with ratios to ds_to_universal. ``--before SRC`` also runs
+ckptlib from another source tree in the same rounds (rows marked "(before)"), to measure a change.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import tempfile
@@ -28,7 +30,10 @@ def main() -> int:
     ap.add_argument("checkpoints", nargs="+", type=Path)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--work", type=Path, default=None)
+    ap.add_argument("--before", type=Path, default=None, help="also run ckptlib from this source tree")
     args = ap.parse_args()
+    before_env = dict(os.environ, PYTHONPATH=str(args.before.resolve())) if args.before else None
+    own_work = args.work is None  # a temporary folder of ours: removed at the end (outputs are GBs)
     work = args.work or Path(tempfile.mkdtemp(prefix="ckptlib-rbench-"))
     work.mkdir(parents=True, exist_ok=True)
     base = run([PY, "-c", "import ckptlib.cli, ckptlib.reshard, tqdm; import time; time.sleep(0.5)"]).peak_anon
@@ -39,6 +44,8 @@ def main() -> int:
     for ckpt in args.checkpoints:
         tag = (ckpt / "latest").read_text().strip()
         tools = {"ds_to_universal": None, "ckpt reshard 4->2": 2, "ckpt reshard 4->3": 3}
+        if args.before:
+            tools.update({"ckpt reshard 4->2 (before)": 2, "ckpt reshard 4->3 (before)": 3})
         res = {t: [] for t in tools}
         for r in range(args.rounds):
             for tool, m in tools.items():
@@ -52,7 +59,8 @@ def main() -> int:
                 else:
                     cmd = [PY, "-m", "ckptlib", "reshard", str(ckpt), str(out / "resharded"), "--world-size", str(m),
                            "-q"]
-                st = run(cmd, tree=True, watch_dir=str(out), interval=0.01)
+                st = run(cmd, env=before_env if tool.endswith("(before)") else None, tree=True, watch_dir=str(out),
+                         interval=0.01)
                 if st.returncode != 0:
                     print(st.stderr[-3000:], file=sys.stderr)
                     raise SystemExit(f"{tool} failed on {ckpt}")
@@ -78,6 +86,8 @@ def main() -> int:
                   f"{m['peak_anon'] / MIB:.0f} MiB{ratio(m['peak_anon'], ds['peak_anon'])} | "
                   f"{(m['peak_anon'] - b) / MIB:.0f} MiB | {bounds[tool]} | {tmp / MIB:.0f} MiB | "
                   f"{m['final_disk'] / MIB:.0f} MiB |")
+    if own_work:
+        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 

@@ -58,7 +58,7 @@ def run_distributed(plan: Plan, observer: Optional[Observer] = None, cancel: Any
             tmp = Path(msg[0][1])
             error, read = None, 0
             try:
-                read = write_in_threads(plan, assign(units(plan), world)[rank], tmp, observer, cancel, 1)
+                read = write_in_threads(plan, assign(units(plan, split=True), world)[rank], tmp, observer, cancel, 1)
             except BaseException as e:
                 error = f"rank {rank}: {e}"
             errors: list = [None] * world

@@ -47,7 +47,7 @@ def write_in_processes(plan: Plan, tmp: Path, observer: Observer, cancel: Any) -
     """Write the plan's units in ``plan.workers`` processes; returns the bytes they read."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    bins = [b for b in assign(units(plan), plan.workers) if b]
+    bins = [b for b in assign(units(plan, split=True), plan.workers) if b]
     procs = [ctx.Process(target=_worker_main, args=(plan, str(tmp), b, q), daemon=True) for b in bins]
     for p in procs:
         p.start()

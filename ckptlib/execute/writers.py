@@ -80,11 +80,12 @@ def prepare(plan: Plan, tmp: Path) -> None:
             safetensors_layout(f).create(tmp / f.name)
 
 
-def units(plan: Plan) -> list[Unit]:
-    """The plan's units in plan order: each tensor of a safetensors file, each other file whole."""
+def units(plan: Plan, split: bool = False) -> list[Unit]:
+    """The plan's units in plan order: each file whole, or with ``split`` (writers in several processes)
+    each tensor of a safetensors file on its own (its bytes have a fixed place in the file)."""
     out = []
     for i, f in enumerate(plan.files):
-        if isinstance(f, WeightsFile) and f.format == "safetensors":
+        if split and isinstance(f, WeightsFile) and f.format == "safetensors":
             out += [Unit(i, k, t.nbytes) for k, t in enumerate(f.tensors)]
         else:
             out.append(Unit(i, None, f.write_bytes))
