@@ -133,13 +133,13 @@ def case_nvme_offload(fx, d):
 def case_moe_expert_files(fx, d):
     tag = d / "global_step2"
     shutil.copy(tag / "mp_rank_00_model_states.pt", tag / "layer_0_expert_0_mp_rank_00_model_states.pt")
-    return d, ["layer_0_expert_0_mp_rank_00_model_states.pt", "mixture-of-experts", "not supported yet"]
+    return d, ["layer_0_expert_0_mp_rank_00_model_states.pt", "holds no tensors of expert 0", "another run"]
 
 
 def case_pipeline_layer_files(fx, d):
     tag = d / "global_step2"
     shutil.copy(tag / "mp_rank_00_model_states.pt", tag / "layer_01-model_states.pt")
-    return d, ["layer_01-model_states.pt", "pipeline-parallel", "not supported yet"]
+    return d, ["layer_01-model_states.pt", "pipeline layer file", "another run"]
 
 
 CASES = [case_truncated_zip, case_zero_byte_file, case_random_bytes, case_missing_rank_file,

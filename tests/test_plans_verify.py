@@ -146,11 +146,11 @@ def test_refused_layouts_are_unsupported_and_broken_ones_incomplete(fixture_by_n
     import shutil
 
     src = fixture_by_name("z2_bf16_w3")["checkpoint_path"]
-    layered = tmp_path / "layered"
-    shutil.copytree(src, layered)
-    shutil.copy(layered / "global_step2" / "mp_rank_00_model_states.pt", layered / "global_step2" / "layer_01-model_states.pt")
-    with pytest.raises(ckptlib.UnsupportedCheckpointError, match="pipeline-parallel"):
-        ckptlib.plan_export(layered, tmp_path / "o")
+    offloaded = tmp_path / "offloaded"
+    shutil.copytree(src, offloaded)
+    (offloaded / "global_step2" / "offloaded_tensors").mkdir()  # NVMe-offloaded state: not read yet
+    with pytest.raises(ckptlib.UnsupportedCheckpointError, match="NVMe-offloaded"):
+        ckptlib.plan_export(offloaded, tmp_path / "o")
     broken = tmp_path / "broken"
     shutil.copytree(src, broken)
     (broken / "global_step2" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()

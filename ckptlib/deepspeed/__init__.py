@@ -2,6 +2,8 @@
 from .checkpoint import Checkpoint, open_checkpoint
 from .discovery import Location, locate
 from .records import BF16_OPTIMIZER, NO_ZERO, ZERO, BufferInfo, FileInfo, OptimizerInfo, ParameterInfo, Records
+from .tensor_parallel import SplitRules, load_rules
+from .zeroset import ZeroSet
 
-__all__ = ["BufferInfo", "Checkpoint", "FileInfo", "OptimizerInfo", "ParameterInfo", "Records", "open_checkpoint",
+__all__ = ["BufferInfo", "Checkpoint", "FileInfo", "OptimizerInfo", "ParameterInfo", "Records", "open_checkpoint", "ZeroSet", "SplitRules", "load_rules",
            "Location", "locate", "ZERO", "BF16_OPTIMIZER", "NO_ZERO"]

@@ -79,5 +79,13 @@ def model_states_name(mp_rank: int = 0, dp_rank: Optional[int] = None) -> str:
     return f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_model_states.pt"
 
 
+def expert_states_name(layer: int, expert: int, mp_rank: int = 0) -> str:
+    return f"layer_{layer}_expert_{expert}_mp_rank_{mp_rank:02d}_model_states.pt"
+
+
+def layer_states_name(layer: int, tp_rank: Optional[int] = None) -> str:
+    return f"layer_{layer:02d}-model_states.pt" if tp_rank is None else f"layer_{layer:02d}-model_{tp_rank:02d}-model_states.pt"
+
+
 def optim_states_name(dp_rank: int, mp_rank: int = 0, prefix: str = "") -> str:
     return f"{prefix}zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"

@@ -21,7 +21,7 @@ def list_files(location: Location) -> list[FileInfo]:
         role = fnames.classify(p.name)
         out.append((role.sort_key, FileInfo(path=p, relpath=os.path.relpath(p, given), bytes=p.stat().st_size,
                                             kind=role.kind, dp_rank=role.dp_rank, mp_rank=role.mp_rank,
-                                            prefix=role.prefix)))
+                                            prefix=role.prefix, layer=role.layer, expert=role.expert)))
     return [f for _, f in sorted(out, key=lambda t: t[0])]
 
 

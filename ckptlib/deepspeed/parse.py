@@ -7,6 +7,7 @@ changes the unpickled trees. The stage-specific parts (ZeRO-1/2, ZeRO-3, stage 0
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 from ..dtypes import BY_NAME
@@ -16,14 +17,19 @@ from ..torchzip import TensorHandle
 from . import files as fnames
 from . import partitions
 from .fileset import OpenedFiles
+from .moe import expert_file_problems, expert_file_tensors, is_moe
 from .records import BF16_OPTIMIZER, NO_ZERO, ZERO, BufferInfo, OptimizerInfo, Records
 from .releases import find_quirks, refuse_old_layouts, written_by
 from .values import as_int, as_str, get, plain
 
 
-def parse(fs: OpenedFiles, notes: list, problems: list) -> Records:
-    """The records of the checkpoint whose files ``fs`` opens; ``notes`` and ``problems`` are the lists
-    to fill (``problems`` is also where ``fs`` puts the files it cannot read).
+def parse(fs: OpenedFiles, notes: list, problems: list, mp: int = 0, module: Optional[dict] = None,
+          shared: Optional[dict] = None, coordinate: Rank = Rank()) -> Records:
+    """The records of model-parallel rank ``mp``'s ZeRO set in the tag folder ``fs`` opens; ``notes`` and
+    ``problems`` are the lists to fill. ``module`` replaces the model-states file's ``module`` (a pipeline
+    stage's, from its layer files; an MoE model's, with its experts), ``shared`` its ``shared_params``
+    (the ties tensor rank 0 records, for every tensor rank). ``coordinate`` is the set's place in the
+    mesh (its data ranks' files are keyed ``coordinate`` with their ``dp``).
 
     Raises:
         NotACheckpointError: no readable model-states file, or not DeepSpeed's.
@@ -31,18 +37,25 @@ def parse(fs: OpenedFiles, notes: list, problems: list) -> Records:
         IncompleteCheckpointError: no optimizer-state file can be read.
     """
     rec = Records(files=fs.files, notes=notes, problems=problems)
-    model_files, optim_files = fs.of(fnames.MODEL_STATES), fs.of(fnames.OPTIM_STATES)
+    model_files, optim_files = fs.of(fnames.MODEL_STATES, mp), fs.of(fnames.OPTIM_STATES, mp)
     if not model_files:
         raise NotACheckpointError("no model-states file (*_model_states.pt) in the tag folder",
                                   path=fs.location.tag_dir,
                                   hint="the save is incomplete, or this is not a DeepSpeed tag folder")
     _note_unsupported_files(rec, fs)
     model = _model_states(fs, model_files[0])
+    if module is not None or shared is not None:  # a copy: the unpickled tree is never changed
+        model = dict(model, **({"module": module} if module is not None else {}),
+                     **({"shared_params": shared} if shared is not None else {}))
     rec.deepspeed_version = as_str(model.get("ds_version"))
     rec.dp_world_size = as_int(model.get("dp_world_size"))
     rec.mp_world_size = as_int(model.get("mp_world_size")) or 1
     rec.ds_config = model.get("ds_config") if isinstance(model.get("ds_config"), dict) else {}
     rec.index.module = model.get("module") if isinstance(model.get("module"), dict) else {}
+    if is_moe(fs, model) and module is None:  # the experts' 16-bit weights, under their global ids
+        rec.index.module = dict(rec.index.module, **expert_file_tensors(fs))
+        model = dict(model, module=rec.index.module)
+        problems += expert_file_problems(fs, model)
 
     optim_objs = [getattr(fs.get(f), "obj", None) for f in optim_files]
     first_optim: Optional[dict] = None
@@ -51,7 +64,7 @@ def parse(fs: OpenedFiles, notes: list, problems: list) -> Records:
             continue
         osd = get(obj, "optimizer_state_dict")
         if isinstance(osd, dict):
-            rec.index.optim[Rank(dp=f.dp_rank, tp=f.mp_rank or 0)] = osd
+            rec.index.optim[dataclasses.replace(coordinate, dp=f.dp_rank)] = osd
             first_optim = first_optim or osd
         else:
             problems.append(f"{f.relpath}: no 'optimizer_state_dict' in the optimizer file")
@@ -61,16 +74,13 @@ def parse(fs: OpenedFiles, notes: list, problems: list) -> Records:
     refuse_old_layouts(rec.deepspeed_version, model, optim_files, optim_objs, first_optim)
     _stage_and_flavor(rec, fs, optim_files, first_optim)
     rec.dtype = _training_dtype(rec, model)
-    if rec.mp_world_size > 1:
-        _unsupported(rec, f"model parallel size {rec.mp_world_size}: only mp rank 0 is described; "
-                          "reading tensor/pipeline-parallel checkpoints is not supported yet")
     if rec.flavor == NO_ZERO:
-        partitions.build_stage0(rec, model)
+        partitions.build_stage0(rec, model, _expert_optimizers(fs))
     elif rec.zero_stage == 3:
         partitions.build_zero3(rec, fs, model, model_files, optim_files)
     else:
         partitions.build_zero12(rec, model, model_files[0], optim_files)
-    rec.buffers = _buffers(model)
+    rec.buffers = _buffers(model, rec.index.module)
     rec.optimizer = _optimizer(rec, model)
     rec.quirks = find_quirks(rec, model)
     if rec.quirks:
@@ -85,16 +95,19 @@ def _unsupported(rec: Records, sentence: str) -> None:
     rec.unsupported.append(sentence)
 
 
+def _expert_optimizers(fs: OpenedFiles) -> dict:
+    """ZeRO-0 MoE: each expert-parallel rank's whole optimizer state (``expp_rank_{e}`` files)."""
+    out = {}
+    for f in fs.files:
+        if f.kind == fnames.EXPERT_OPTIM_STATES and f.dp_rank is not None:
+            tf = fs.get(f)
+            opt = get(tf.obj, "optimizer") if tf is not None else None
+            if isinstance(opt, dict):
+                out[f.dp_rank] = opt
+    return out
+
+
 def _note_unsupported_files(rec: Records, fs: OpenedFiles) -> None:
-    kinds = {f.kind for f in fs.files}
-    if fnames.LAYER_STATES in kinds:
-        names = sorted(f.path.name for f in fs.files if f.kind == fnames.LAYER_STATES)
-        _unsupported(rec, f"pipeline-parallel layer files found ({names[0]}, ... {len(names)} files): "
-                          "pipeline-parallel checkpoints are not supported yet")
-    if fnames.EXPERT_STATES in kinds or fnames.EXPERT_OPTIM_STATES in kinds:
-        names = sorted(f.path.name for f in fs.files if f.kind in (fnames.EXPERT_STATES, fnames.EXPERT_OPTIM_STATES))
-        _unsupported(rec, f"MoE expert files found ({names[0]}, ... {len(names)} files): "
-                          "mixture-of-experts checkpoints are not supported yet")
     if (fs.location.tag_dir / "offloaded_tensors").is_dir():
         _unsupported(rec, "offloaded_tensors/ found: checkpoints of NVMe-offloaded optimizer state keep their "
                           "tensors outside the .pt files and are not supported yet")
@@ -152,8 +165,7 @@ def _training_dtype(rec: Records, model: dict) -> str:
     return "bf16" if "bf16_" in prefixes else "fp32"
 
 
-def _buffers(model: dict) -> list[BufferInfo]:
-    module = model.get("module") or {}
+def _buffers(model: dict, module: dict) -> list[BufferInfo]:
     out = []
     for name in model.get("buffer_names") or []:
         t = module.get(name)

@@ -13,6 +13,7 @@ from ..errors import UnsupportedCheckpointError
 from ..layout import FlatGroupLayout, Zero3Layout
 from ..torchzip import TensorHandle
 from .fileset import OpenedFiles
+from .moe import expert_groups, expert_id, global_name
 from .records import BF16_OPTIMIZER, FileInfo, ParameterInfo, Records
 from .releases import written_by
 from .values import as_int
@@ -21,6 +22,8 @@ from .values import as_int
 # ============================================================================================ ZeRO-1/2
 def build_zero12(rec: Records, model: dict, model_file: FileInfo, optim_files: list[FileInfo]) -> None:
     param_shapes = _param_shape_groups(model.get("param_shapes"))
+    if param_shapes is None:
+        param_shapes = shapes_from_mappings(rec)
     if param_shapes is None:
         raise UnsupportedCheckpointError(
             f"the model-states file has no 'param_shapes' (written by {written_by(rec.deepspeed_version)}; "
@@ -31,6 +34,9 @@ def build_zero12(rec: Records, model: dict, model_file: FileInfo, optim_files: l
     counts = first.get("partition_count")
     counts = list(counts) if isinstance(counts, (list, tuple)) else [counts] * len(param_shapes)
     rec.partition_count = max(int(c) for c in counts) if counts else None
+    base = first.get("base_optimizer_state")
+    rec.expert_groups = expert_groups(base.get("param_groups") or [] if isinstance(base, dict) else [],
+                                      [list(g) for g in param_shapes], counts, rec.partition_count or 1)
     paddings = first.get("param_alignment_paddings")
     for g, group in enumerate(param_shapes):
         pads = list(paddings[g]) if isinstance(paddings, (list, tuple)) and g < len(paddings) else None
@@ -44,13 +50,22 @@ def build_zero12(rec: Records, model: dict, model_file: FileInfo, optim_files: l
                                 f"param_shapes has {len(rec.layouts)}")
             continue
         for g, (t, lay) in enumerate(zip(parts, rec.layouts)):
-            want = lay.partition_size if rec.flavor == BF16_OPTIMIZER else lay.lean_length(r)
+            k = r // rec.expert_groups[g].ep if g in rec.expert_groups else r  # the partition this rank holds
+            want = lay.partition_size if rec.flavor == BF16_OPTIMIZER else lay.lean_length(k)
             if not isinstance(t, TensorHandle) or t.numel != want:
                 got = t.numel if isinstance(t, TensorHandle) else type(t).__name__
                 rec.problems.append(
                     f"rank {r} group {g}: the fp32 partition holds {got} elements, but {want} are expected "
                     f"from param_shapes at {lay.world_size} ranks (element counts do not add up)")
-    trainable = {name: (tuple(shape), g) for g, group in enumerate(param_shapes) for name, shape in group.items()}
+    trainable = {}
+    for g, group in enumerate(param_shapes):
+        eg = rec.expert_groups.get(g)
+        for e in range(eg.ep if eg else 1):  # an expert group: every expert-parallel rank's experts, by global id
+            for name, shape in group.items():
+                full = global_name(name, e, eg.num_local) if eg else name
+                trainable[full] = (tuple(shape), g)
+                if eg:
+                    rec.index.experts[full] = (g, e, name)
     frozen_shapes = model.get("frozen_param_shapes") or {}
     frozen_frag = model.get("frozen_param_fragments") or {}
     rec.index.frozen = {n: [t] for n, t in frozen_frag.items() if isinstance(t, TensorHandle)}
@@ -117,7 +132,7 @@ def build_zero3(rec: Records, fs: OpenedFiles, model: dict, model_files: list[Fi
 
 
 # ============================================================================================ stage 0
-def build_stage0(rec: Records, model: dict) -> None:
+def build_stage0(rec: Records, model: dict, expert_optimizers: Optional[dict] = None) -> None:
     module = rec.index.module
     buffers = set(model.get("buffer_names") or [])
     opt = model.get("optimizer")
@@ -138,13 +153,37 @@ def build_stage0(rec: Records, model: dict) -> None:
                 while pos < len(names) and (names[pos] in taken or tuple(module[names[pos]].shape) != shape):
                     pos += 1
                 if pos == len(names):
-                    rec.problems.append(f"stage 0: optimizer group {g} entry {i} of shape {list(shape)} "
+                    rec.problems.append(f"ZeRO-0: optimizer group {g} entry {i} of shape {list(shape)} "
                                         "matches no parameter of the module")
                     break
                 taken.add(names[pos])
                 trainable[names[pos]] = (shape, g)
                 rec.index.stage0[names[pos]] = (g, i)
+    if expert_optimizers:
+        _stage0_experts(rec, names, module, expert_optimizers, trainable)
     collect_parameters(rec, model, trainable, {}, aliases)
+
+
+def _stage0_experts(rec: Records, names: list, module: dict, optimizers: dict, trainable: dict) -> None:
+    """ZeRO-0 MoE: expert-parallel rank ``e``'s optimizer (``expp_rank_{e}``) holds the dense parameters and
+    its own experts; match its groups' entries to those experts (global names, in order) by shape."""
+    rec.index.stage0_optimizers = dict(optimizers)
+    experts = [n for n in names if expert_id(n) is not None]
+    ranks = sorted(optimizers)
+    per_rank = len(experts) // max(len(ranks), 1)
+    for e in ranks:
+        mine = experts[e * per_rank:(e + 1) * per_rank]
+        shapes = _stage0_group_shapes(optimizers[e]) or []
+        pos = 0
+        for g, group in enumerate(shapes):
+            for i, shape in enumerate(group):
+                if pos < len(mine) and g > 0 and tuple(module[mine[pos]].shape) == shape:
+                    trainable[mine[pos]] = (shape, g)
+                    rec.index.stage0[mine[pos]] = (g, i, e)
+                    pos += 1
+        if pos != len(mine):
+            rec.problems.append(f"expp_rank_{e}: its optimizer holds {pos} of the {len(mine)} expert tensors of "
+                                f"expert-parallel rank {e}")
 
 
 # ============================================================================================ shared
@@ -202,6 +241,24 @@ def check_rank_files(rec: Records, files: list[FileInfo], n: Optional[int], what
         rec.problems.append(f"partition_count {n} differs from the model file's dp_world_size {rec.dp_world_size}")
 
 
+def shapes_from_mappings(rec: Records) -> Optional[list[dict]]:
+    """``param_shapes`` rebuilt from the ranks' ``param_slice_mappings`` (names in flat order) and the
+    module's shapes, for checkpoints that record no ``param_shapes`` (BF16_Optimizer at ZeRO-0)."""
+    optim = rec.index.optim
+    if not optim or not all(osd.get("param_slice_mappings") for osd in optim.values()):
+        return None
+    groups: list[dict] = []
+    for rank in sorted(optim):
+        for g, mapping in enumerate(optim[rank]["param_slice_mappings"]):
+            while len(groups) <= g:
+                groups.append({})
+            for name, _ in sorted(mapping.items(), key=lambda kv: kv[1].start):
+                t = rec.index.module.get(name)
+                if name not in groups[g] and isinstance(t, TensorHandle):
+                    groups[g][name] = tuple(t.shape)
+    return groups or None
+
+
 def _param_shape_groups(ps: Any) -> Optional[list[dict]]:
     if ps is None:
         return None
@@ -217,7 +274,7 @@ def aliases_by_storage(module: dict, buffers: set) -> dict[str, str]:
     for name, t in module.items():
         if not isinstance(t, TensorHandle) or name in buffers:
             continue
-        key = (t.storage.key, t.storage_offset, tuple(t.shape), tuple(t.stride))
+        key = (t.path, t.storage.key, t.storage_offset, tuple(t.shape), tuple(t.stride))
         if key in first:
             aliases[name] = first[key]
         else:

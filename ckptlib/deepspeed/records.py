@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from ..layout import FlatGroupLayout, Zero3Layout
-from ..mesh import Rank
 
 Layout = Union[FlatGroupLayout, Zero3Layout]
 
@@ -33,11 +32,8 @@ class FileInfo:
     dp_rank: Optional[int] = None
     mp_rank: Optional[int] = None
     prefix: str = ""
-
-    @property
-    def rank(self) -> Rank:
-        """The file's place in the mesh (data rank, and model-parallel rank as the tensor rank)."""
-        return Rank(dp=self.dp_rank or 0, tp=self.mp_rank or 0)
+    layer: Optional[int] = None     # pipeline layer files, MoE expert files
+    expert: Optional[int] = None    # MoE expert files: the global expert id
 
 
 @dataclass
@@ -91,8 +87,10 @@ class TensorIndex:
     module: dict = field(default_factory=dict)
     optim: dict = field(default_factory=dict)        # Rank -> optimizer_state_dict
     frozen: dict = field(default_factory=dict)       # name -> [TensorHandle]
-    stage0: dict = field(default_factory=dict)       # name -> (group, index)
+    stage0: dict = field(default_factory=dict)       # name -> (group, index[, expert-parallel rank])
     stage0_optimizer: Any = None                     # the model file's 'optimizer' entry (stage 0)
+    stage0_optimizers: dict = field(default_factory=dict)  # ZeRO-0 MoE: expert-parallel rank -> its optimizer
+    experts: dict = field(default_factory=dict)      # MoE: global name -> (group, expert-parallel rank, local name)
 
 
 @dataclass
@@ -116,6 +114,7 @@ class Records:
     notes: list = field(default_factory=list)
     problems: list = field(default_factory=list)
     unsupported: list = field(default_factory=list)  # the problems that are layouts ckptlib refuses to read
+    expert_groups: dict = field(default_factory=dict)  # MoE: group -> ckptlib.deepspeed.moe.ExpertGroup
     ties_from_storage: dict = field(default_factory=dict)
     index: TensorIndex = field(default_factory=TensorIndex)
 

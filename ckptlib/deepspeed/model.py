@@ -1,0 +1,134 @@
+"""The full model of a checkpoint, joined from its ZeRO sets: names, shapes, and where every element is.
+
+A :class:`ModelView` lists the model's parameters and buffers as the un-parallelised model names them
+(full shapes) and, for each, the blocks (:mod:`ckptlib.placement`) that the stored tensors supply:
+one block from the set that holds it (data parallel, pipeline stages), shards joined by split rules
+(tensor parallel), experts under their global ids (MoE). :meth:`ModelView.sources` turns that into
+the stored byte ranges of the full tensor (metadata only); tensors stored more than once (replicated
+across tensor ranks) also give :meth:`ModelView.replica_checks`, ranges that must be equal and are
+compared when a plan runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Hashable, Optional
+
+from ..placement import Block, row_major_strides, runs
+from ..ranges import slice_ranges
+from .records import BufferInfo, ParameterInfo
+
+#: resolves a block's source (and an optimizer state key, None for the weight) to its local range list
+Resolver = Callable[[Hashable, Optional[str]], list]
+
+
+@dataclass
+class ModelView:
+    """The model as its un-parallelised form names it (see the module docstring).
+
+    Attributes:
+        parameters, buffers: full names and shapes, in ``order``'s order.
+        order: the ``state_dict`` order of the model (tied aliases included).
+        blocks: per parameter or buffer owner, the blocks that make it.
+        resolve: local ranges of a block's source.
+        kind: ``"data_parallel"``, ``"pipeline"``, ``"tensor_parallel"``, ``"moe"``, ...
+        notes: how the model was joined, for the user.
+    """
+
+    parameters: list
+    buffers: list
+    order: list
+    blocks: dict
+    resolve: Resolver = field(repr=False, default=None)
+    kind: str = "data_parallel"
+    notes: list = field(default_factory=list)
+
+    def param(self, name: str) -> ParameterInfo:
+        for p in self.parameters:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    def buffer(self, name: str) -> BufferInfo:
+        for b in self.buffers:
+            if b.name == name:
+                return b
+        raise KeyError(name)
+
+    def _owner(self, name: str) -> tuple[str, tuple]:
+        for b in self.buffers:
+            if b.name == name:
+                return name, tuple(b.shape)
+        p = self.param(name)
+        if p.tied_to:
+            return self._owner(p.tied_to)
+        return p.name, tuple(p.shape)
+
+    def sources(self, name: str, key: Optional[str] = None) -> list:
+        """The stored ranges that, concatenated, give the full tensor ``name`` flattened (``key``: an
+        optimizer state, None for the weight). Metadata only."""
+        owner, shape = self._owner(name)
+        blocks = self.blocks[owner]
+        numel = 1
+        for s in shape:
+            numel *= s
+        if len(blocks) == 1 and _whole(blocks[0], shape):
+            return list(self.resolve(blocks[0].source, key))
+        local: dict = {}
+        out: list = []
+        for r in runs(blocks, numel, owner):
+            if r.source not in local:
+                local[r.source] = self.resolve(r.source, key)
+            out += slice_ranges(local[r.source], r.local_start, r.count)
+        return out
+
+    def replica_checks(self, name: str, key: Optional[str] = None) -> list[tuple[str, list, list]]:
+        """``(what, ranges, replica ranges)`` for every block of ``name`` stored more than once: the
+        replicas must hold the same bytes (a plan compares them before writing)."""
+        owner, _ = self._owner(name)
+        out = []
+        for b in self.blocks[owner]:
+            if not b.replicas:
+                continue
+            first = self.resolve(b.source, key)
+            n = 1
+            for s in b.shape:
+                n *= s
+            for rep in b.replicas:
+                what = f"{owner}{'/' + key if key else ''}: {_label(b.source)} and {_label(rep)}"
+                out.append((what, slice_ranges(first, b.local_offset, n) if _dense(b) else first,
+                            slice_ranges(self.resolve(rep, key), b.local_offset, n) if _dense(b)
+                            else self.resolve(rep, key)))
+        return out
+
+
+def _whole(b: Block, shape: tuple) -> bool:
+    st = row_major_strides(shape)
+    return b.full_offset == 0 and b.local_offset == 0 and tuple(b.shape) == shape and \
+        tuple(b.full_strides) == st and tuple(b.local_strides) == st
+
+
+def _dense(b: Block) -> bool:
+    return tuple(b.local_strides) == row_major_strides(b.shape)
+
+
+def _label(source: Hashable) -> str:
+    if isinstance(source, tuple) and len(source) == 2:
+        return f"mp rank {source[0]}"
+    return str(source)
+
+
+def whole(source: Hashable, shape: tuple, replicas: tuple = ()) -> Block:
+    """A block that is all of a tensor of ``shape``."""
+    st = row_major_strides(shape)
+    return Block(source, tuple(shape), 0, st, 0, st, tuple(replicas))
+
+
+def single_set_view(zs) -> ModelView:
+    """The model of a checkpoint with one ZeRO set: its own names and shapes."""
+    blocks = {p.name: [whole((zs.mp, p.name), tuple(p.shape))] for p in zs.parameters if not p.tied_to}
+    blocks.update({b.name: [whole((zs.mp, b.name), tuple(b.shape))] for b in zs.buffers})
+    return ModelView(parameters=list(zs.parameters), buffers=list(zs.buffers), order=zs.state_dict_names(),
+                     blocks=blocks, resolve=lambda source, key: zs.sources(source[1], key))
+
+
+__all__ = ["ModelView", "Resolver", "whole", "single_set_view"]

@@ -1,0 +1,109 @@
+"""Mixture-of-experts checkpoints (DeepSpeed-MoE): experts under their global ids.
+
+With expert parallelism E the world's ranks form expert-parallel groups of E consecutive ranks; rank
+``r`` is expert-parallel rank ``e = r % E`` and holds the experts ``e * L .. e * L + L - 1`` (``L``
+local experts per MoE layer), which its files name by their LOCAL ids (``deepspeed_experts.0..L-1``).
+The ZeRO optimizer keeps the experts in their own parameter group (``'moe': True``, named
+``ep_size_E``), partitioned over the ``N / E`` ranks that hold the same experts (the expert
+data-parallel group ``e, e + E, e + 2E, ...``, its ``partition_count``). The 16-bit expert weights are in
+``layer_{L}_expert_{G}_mp_rank_00_model_states.pt`` files under their global ids.
+
+This module turns local names into global ones and says which data rank holds which partition.
+"""
+from __future__ import annotations
+
+import collections
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+from ..torchzip import TensorHandle
+from . import files as fnames
+from .fileset import OpenedFiles
+
+_EXPERT = re.compile(r"(deepspeed_experts\.)(\d+)(\.)")
+
+
+def is_moe(fs: OpenedFiles, model: dict) -> bool:
+    return bool(model.get("num_experts")) or any(f.kind in (fnames.EXPERT_STATES, fnames.EXPERT_OPTIM_STATES)
+                                                 for f in fs.files)
+
+
+def expert_id(name: str) -> Optional[int]:
+    m = _EXPERT.search(name)
+    return int(m.group(2)) if m else None
+
+
+def global_name(local: str, ep_rank: int, num_local: int) -> str:
+    """``...deepspeed_experts.{l}...`` of expert-parallel rank ``ep_rank`` -> ``...deepspeed_experts.{G}...``."""
+    return _EXPERT.sub(lambda m: f"{m.group(1)}{ep_rank * num_local + int(m.group(2))}{m.group(3)}", local, count=1)
+
+
+@dataclass(frozen=True)
+class ExpertGroup:
+    """An optimizer group of experts: ``ep`` expert-parallel ranks, each holding ``num_local`` experts
+    per layer, partitioned over ``edp`` data ranks (``ep * edp`` = the data-parallel size)."""
+
+    group: int
+    ep: int
+    edp: int
+    num_local: int
+
+    def data_rank(self, ep_rank: int, partition: int) -> int:
+        """The data rank holding partition ``partition`` of expert-parallel rank ``ep_rank``'s experts."""
+        return ep_rank + partition * self.ep
+
+    def ep_rank_of(self, data_rank: int) -> int:
+        return data_rank % self.ep
+
+
+def expert_groups(param_groups: list, param_shapes: list, counts: list, world: int) -> dict[int, ExpertGroup]:
+    """The expert groups among a ZeRO-1/2 optimizer's groups (``param_groups`` of rank 0's base
+    optimizer state, the model's ``param_shapes``, the ``partition_count`` of each group)."""
+    out = {}
+    for g, pg in enumerate(param_groups):
+        if not (isinstance(pg, dict) and pg.get("moe")) or g >= len(param_shapes):
+            continue
+        edp = int(counts[g])
+        ids = {expert_id(n) for n in param_shapes[g]} - {None}
+        m = re.match(r"ep_size_(\d+)$", str(pg.get("name", "")))
+        ep = int(m.group(1)) if m else max(1, world // max(edp, 1))
+        out[g] = ExpertGroup(group=g, ep=ep, edp=edp, num_local=len(ids) or 1)
+    return out
+
+
+def expert_file_tensors(fs: OpenedFiles) -> "collections.OrderedDict[str, TensorHandle]":
+    """The 16-bit expert weights of every ``layer_{L}_expert_{G}`` file, under their global names, in
+    (layer, expert) order."""
+    out = collections.OrderedDict()
+    for f in sorted((f for f in fs.files if f.kind == fnames.EXPERT_STATES), key=lambda f: (f.layer or 0, f.expert)):
+        tf = fs.get(f)
+        if tf is not None and isinstance(tf.obj, dict):
+            out.update((k, v) for k, v in tf.obj.items() if isinstance(v, TensorHandle))
+    return out
+
+
+def expert_file_problems(fs: OpenedFiles, model: dict) -> list[str]:
+    """Expert files that do not hold their expert (left over from another run, damaged), and the expert
+    files the model's ``num_experts`` expects but the folder lacks, one sentence each naming the file."""
+    out = []
+    for f in (f for f in fs.files if f.kind == fnames.EXPERT_STATES):
+        tf = fs.get(f)
+        if tf is None:
+            continue  # unreadable: already a problem
+        keys = [k for k, v in tf.obj.items() if isinstance(v, TensorHandle)] if isinstance(tf.obj, dict) else []
+        if not keys or any(expert_id(k) != f.expert for k in keys):
+            out.append(f"{f.relpath}: holds no tensors of expert {f.expert} (its keys do not name "
+                       f"deepspeed_experts.{f.expert}): left over from another run, or damaged")
+    counts = model.get("num_experts")
+    if isinstance(counts, (list, tuple)):
+        have = {(f.layer or 0, f.expert) for f in fs.files if f.kind == fnames.EXPERT_STATES}
+        for layer, n in enumerate(counts):
+            for g in range(int(n)):
+                if (layer, g) not in have:
+                    out.append(f"{fs.location.tag}/{fnames.expert_states_name(layer, g)} is missing (the model has "
+                               f"{n} experts in MoE layer {layer}); a rank did not finish saving")
+    return out
+
+
+__all__ = ["expert_file_problems", "is_moe", "expert_id", "global_name", "ExpertGroup", "expert_groups", "expert_file_tensors"]

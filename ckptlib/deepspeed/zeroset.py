@@ -1,0 +1,225 @@
+"""One model-parallel rank's ZeRO set: its records, and the partition API over it (reading only).
+
+A data-parallel run has one ZeRO set; a pipeline run one per stage, a tensor-parallel run one per
+tensor rank (files ``*_mp_rank_{mp:02d}_*``). :class:`ZeroSet` reads one of them in its own terms: its
+parameters under the names and shapes its files use (a tensor rank's shards, a stage's layers),
+where their fp32 masters and optimizer states lie in the rank files, and the bytes of each
+(:meth:`ZeroSet.sources`). Ranks are coordinates of the mesh (:class:`~ckptlib.mesh.Rank`): the set
+fills in its own stage or tensor rank. :class:`~ckptlib.deepspeed.Checkpoint` joins the sets into the
+full model.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from ..errors import IncompleteCheckpointError
+from ..layout import Piece
+from ..mesh import Rank
+from ..ranges import StoredRange
+from ..torchzip import TensorHandle, TorchFile
+from . import files as fnames
+from .fileset import OpenedFiles
+from .records import NO_ZERO, BufferInfo, ParameterInfo, Records
+from .releases import written_by
+
+
+class ZeroSet:
+    """The ZeRO set of model-parallel rank ``mp`` (see the module docstring).
+
+    Attributes:
+        mp: the model-parallel rank (file names' ``mp_rank``); ``coordinate`` is the mesh point of its
+            data rank 0 (``Rank(pp=mp)`` for a pipeline stage, ``Rank(tp=mp)`` otherwise).
+        records: what parsing its files found; its fields are also attributes: ``zero_stage``,
+            ``flavor``, ``dtype``, ``dp_world_size``, ``partition_count``, ``optimizer``,
+            ``parameters``, ``buffers``, ``layouts``, ``ds_config``, ``files`` (this set's files).
+    """
+
+    def __init__(self, records: Records, mp: int, files: OpenedFiles, coordinate: Rank):
+        self.records, self.mp, self.coordinate = records, mp, coordinate
+        self.location = files.location
+        self._files = files
+
+    zero_stage = property(lambda self: self.records.zero_stage)
+    flavor = property(lambda self: self.records.flavor)
+    dtype = property(lambda self: self.records.dtype)
+    dp_world_size = property(lambda self: self.records.dp_world_size)
+    mp_world_size = property(lambda self: self.records.mp_world_size)
+    partition_count = property(lambda self: self.records.partition_count)
+    deepspeed_version = property(lambda self: self.records.deepspeed_version)
+    optimizer = property(lambda self: self.records.optimizer)
+    parameters = property(lambda self: self.records.parameters)
+    buffers = property(lambda self: self.records.buffers)
+    layouts = property(lambda self: self.records.layouts)
+    quirks = property(lambda self: self.records.quirks)
+    ds_config = property(lambda self: self.records.ds_config)
+
+    @property
+    def files(self) -> list:
+        """This set's files (model states, optimizer states) in the tag folder."""
+        return [f for f in self.records.files if (f.mp_rank or 0) == self.mp and
+                f.kind in (fnames.MODEL_STATES, fnames.OPTIM_STATES)]
+
+    def rank(self, dp: int) -> Rank:
+        """The mesh coordinate of this set's data rank ``dp``."""
+        return dataclasses.replace(self.coordinate, dp=dp)
+
+    def written_by(self) -> str:
+        return written_by(self.deepspeed_version)
+
+    def param(self, name: str) -> ParameterInfo:
+        for p in self.parameters:
+            if p.name == name:
+                return p
+        raise KeyError(f"no parameter named {name!r} in {self.location.tag_dir} (mp rank {self.mp})")
+
+    def buffer(self, name: str) -> BufferInfo:
+        for b in self.buffers:
+            if b.name == name:
+                return b
+        raise KeyError(f"no buffer named {name!r} in {self.location.tag_dir} (mp rank {self.mp})")
+
+    def state_dict_names(self) -> list[str]:
+        """Parameter and buffer names in the module's ``state_dict`` order (tied aliases included)."""
+        known = {p.name for p in self.parameters} | {b.name for b in self.buffers}
+        names = [n for n in self.records.index.module if n in known]
+        seen = set(names)
+        return names + [n for n in [p.name for p in self.parameters] + [b.name for b in self.buffers]
+                        if n not in seen]
+
+    # ================================================================== the partition API
+    def pieces(self, name: str) -> list[Piece]:
+        """Where the fp32 master of a trainable parameter lives (see :mod:`ckptlib.layout`); ``Piece.rank``
+        is the data rank in this set."""
+        p = self.param(name)
+        if p.tied_to:
+            return self.pieces(p.tied_to)
+        if not p.trainable or self.flavor == NO_ZERO:
+            return []
+        if self.zero_stage == 3:
+            return self.layouts[0].pieces(name)
+        expert = self.records.index.experts.get(name)
+        if expert is not None:  # an expert: its ep rank's partitions lie on that rank's expert data group
+            g, e, local = expert
+            eg = self.records.expert_groups[g]
+            return [dataclasses.replace(pc, rank=eg.data_rank(e, pc.rank)) for pc in self.layouts[g].pieces(local)]
+        return self.layouts[p.group].pieces(name)
+
+    def optimizer_state_dict(self, rank: Rank) -> dict:
+        """``rank``'s ``optimizer_state_dict`` as unpickled (tensors are handles)."""
+        osd = self.records.index.optim.get(rank)
+        if osd is None:
+            raise IncompleteCheckpointError(f"the optimizer-state file of {rank} is missing or unreadable",
+                                            path=self.location.tag_dir)
+        return osd
+
+    def partition_tensor(self, rank: Rank, group: int, state: Optional[str] = None) -> TensorHandle:
+        """The flat tensor of ``rank``'s partition of ``group`` (ZeRO-1/2: the parameter group; ZeRO-3: the
+        sub-group): the fp32 master when ``state`` is None, else the optimizer state ``state``
+        (e.g. ``"exp_avg"``). Metadata only."""
+        osd = self.optimizer_state_dict(rank)
+        if state is None:
+            return osd["fp32_flat_groups" if self.zero_stage == 3 else "single_partition_of_fp32_groups"][group]
+        if self.zero_stage == 3:
+            states = osd["optimizer_state_dict"]["state"]
+        else:
+            base = osd["base_optimizer_state"]
+            states = base["state"] if isinstance(base, dict) else dict(enumerate(base))
+        try:
+            return states[group][state]
+        except (KeyError, IndexError, TypeError):
+            raise KeyError(f"the optimizer state has no '{state}' for group {group} on {rank}") from None
+
+    def frozen_chunks(self, name: str) -> list[TensorHandle]:
+        """The stored chunks of frozen parameter ``name`` in rank order (one tensor, except at ZeRO-3 where
+        each rank holds ``ceil(numel/N)`` elements, the last ones padded)."""
+        chunks = self.records.index.frozen.get(name)
+        if not chunks:
+            raise IncompleteCheckpointError(f"no data was saved for frozen parameter {name} "
+                                            "(saved with exclude_frozen_parameters?)", path=self.location.tag_dir)
+        return list(chunks)
+
+    def module_tensor(self, name: str) -> TensorHandle:
+        """Entry ``name`` of the model-states ``module`` (a buffer, or a 16-bit weight)."""
+        t = self.records.index.module.get(name)
+        if not isinstance(t, TensorHandle):
+            raise KeyError(f"the module has no tensor named {name!r} in {self.location.tag_dir}")
+        return t
+
+    def sources(self, name: str, key: Optional[str] = None) -> list[StoredRange]:
+        """The stored ranges that, concatenated, give parameter ``name`` flattened, in this set's terms
+        (metadata only). ``key`` None: the fp32 master (trainable), the stored 16-bit/fp32 value (frozen)
+        or the buffer; otherwise the optimizer state ``key``. A tied alias gives its owner's ranges."""
+        if key is None and any(b.name == name for b in self.buffers):
+            return self.module_tensor(name).ranges()
+        p = self.param(name)
+        if p.tied_to:
+            return self.sources(p.tied_to, key)
+        if not p.trainable:
+            if key is not None:
+                raise KeyError(f"parameter {name} is frozen and has no optimizer state")
+            return self._frozen_ranges(p)
+        if self.flavor == NO_ZERO:
+            return self._stage0_handle(p, key).ranges(0, p.numel)
+        out: list[StoredRange] = []
+        for pc in self.pieces(name):
+            out += self.partition_tensor(self.rank(pc.rank), pc.group, key).ranges(pc.rank_start, pc.count)
+        return out
+
+    def _frozen_ranges(self, p: ParameterInfo) -> list[StoredRange]:
+        out, pos = [], 0
+        for h in self.frozen_chunks(p.name):  # ZeRO-3: one ceil(numel/N) chunk per rank, the last ones padded
+            n = min(h.numel, p.numel - pos)
+            if n > 0:
+                out += h.ranges(0, n)
+            pos += max(n, 0)
+        if pos < p.numel:
+            raise IncompleteCheckpointError(f"frozen parameter {p.name}: {pos} of {p.numel} elements saved",
+                                            path=self.location.tag_dir)
+        return out
+
+    def _stage0_handle(self, p: ParameterInfo, key: Optional[str]) -> TensorHandle:
+        where = self.records.index.stage0.get(p.name, (None, None))
+        g, i = where[:2]
+        opt = self.records.index.stage0_optimizers[where[2]] if len(where) > 2 else \
+            (self.records.index.stage0_optimizer or {})
+        if key is None:
+            if "fp32_groups" in opt and g is not None:
+                return opt["fp32_groups"][g][i]
+            return self.module_tensor(p.name)
+        if g is None:
+            raise KeyError(f"no optimizer state is known for {p.name}")
+        inner = opt.get("optimizer_state_dict", opt)
+        pid = inner["param_groups"][g]["params"][i]
+        try:
+            return inner["state"][pid][key]
+        except (KeyError, IndexError, TypeError):
+            raise KeyError(f"the optimizer state has no '{key}' for {p.name}") from None
+
+    # ================================================================== files as objects
+    def model_states_file(self, rank: Optional[Rank] = None) -> TorchFile:
+        """The (opened) model-states file: ZeRO-1/2's single one, or ZeRO-3 ``rank``'s; the first one when
+        ``rank`` is None."""
+        for f in self._files.of(fnames.MODEL_STATES, mp_rank=self.mp):
+            if rank is None or f.dp_rank is None or f.dp_rank == rank.dp:
+                tf = self._files.get(f)
+                if tf is not None:
+                    return tf
+        raise IncompleteCheckpointError(f"no readable model-states file for {rank or self.coordinate}",
+                                        path=self.location.tag_dir)
+
+    def optim_states_file(self, rank: Rank) -> TorchFile:
+        """The (opened) optimizer-states file of ``rank``."""
+        for f in self._files.of(fnames.OPTIM_STATES, mp_rank=self.mp):
+            if f.dp_rank == rank.dp:
+                tf = self._files.get(f)
+                if tf is not None:
+                    return tf
+        raise IncompleteCheckpointError(f"no readable optimizer-states file for {rank}", path=self.location.tag_dir)
+
+    def __repr__(self) -> str:
+        return (f"ZeroSet(mp={self.mp}, stage={self.zero_stage}, dtype={self.dtype}, dp={self.partition_count}, "
+                f"params={len(self.parameters)})")
+
+
+__all__ = ["ZeroSet"]

@@ -1,0 +1,149 @@
+"""How a full tensor is put together from the tensors that hold its pieces (pure arithmetic, no I/O).
+
+A tensor-parallel checkpoint stores each weight as shards on the tensor ranks; a pipeline stores each
+layer on the stage that owns it. A :class:`Block` says that the elements of a strided block of the full
+(row-major) tensor are the elements of a strided block of one stored tensor (``source``: a set and a
+local name), exactly as ``torch.as_strided(full, shape, full_strides, full_offset)`` ==
+``torch.as_strided(local, shape, local_strides, local_offset)``; this is also the form of the
+``affine_map`` DeepSpeed's AutoTP records. :func:`runs` turns a tensor's blocks into contiguous runs in
+full-tensor order, checking that they tile it exactly once; :func:`blocks_from_rule` makes the blocks
+of the Megatron split rules (replicated, split on dim 0, split on dim 1, vocabulary rows cut).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Hashable, Optional, Sequence
+
+
+def row_major_strides(shape: Sequence[int]) -> tuple:
+    out, acc = [], 1
+    for s in reversed(tuple(shape)):
+        out.append(acc)
+        acc *= s
+    return tuple(reversed(out))
+
+
+@dataclass(frozen=True)
+class Block:
+    """Elements of the full tensor at ``as_strided(shape, full_strides, full_offset)`` are those of stored
+    tensor ``source`` at ``as_strided(shape, local_strides, local_offset)``. ``replicas`` are other stored
+    tensors holding the same block (checked equal when read)."""
+
+    source: Hashable
+    shape: tuple
+    full_offset: int
+    full_strides: tuple
+    local_offset: int
+    local_strides: tuple
+    replicas: tuple = ()
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Run:
+    """``count`` consecutive elements of the full tensor from ``full_start`` are ``count`` consecutive
+    elements of ``source`` (flattened) from ``local_start``."""
+
+    full_start: int
+    count: int
+    source: Hashable
+    local_start: int
+
+
+def _block_runs(b: Block) -> list[Run]:
+    shape, fs, ls = b.shape, b.full_strides, b.local_strides
+    if b.numel == 0:
+        return []
+    # the innermost dimensions that are consecutive in both tensors form one run
+    n = len(shape)
+    k, run = n, 1
+    while k > 0 and (shape[k - 1] == 1 or (fs[k - 1] == run and ls[k - 1] == run)):
+        run *= shape[k - 1]
+        k -= 1
+    if k == n:  # not even the last dimension is consecutive: runs of one element
+        run = 1
+    out = []
+    outer = shape[:k]
+    for flat in range(math.prod(outer) if outer else 1):
+        fo, lo, rest = b.full_offset, b.local_offset, flat
+        for d in range(k - 1, -1, -1):
+            rest, i = divmod(rest, outer[d])
+            fo += i * fs[d]
+            lo += i * ls[d]
+        out.append(Run(fo, run, b.source, lo))
+    return out
+
+
+def runs(blocks: Sequence[Block], numel: int, what: str = "the tensor") -> list[Run]:
+    """The runs of ``blocks`` in full-tensor order, merged where consecutive in both tensors.
+
+    Raises:
+        ValueError: the blocks leave a gap or overlap (naming ``what`` and the first element concerned).
+    """
+    all_runs = sorted((r for b in blocks for r in _block_runs(b)), key=lambda r: r.full_start)
+    out: list[Run] = []
+    pos = 0
+    for r in all_runs:
+        if r.full_start != pos:
+            kind = "overlap" if r.full_start < pos else "gap"
+            raise ValueError(f"the placement of {what} has a {kind} at element {min(pos, r.full_start)}")
+        if out and out[-1].source == r.source and out[-1].local_start + out[-1].count == r.local_start:
+            last = out[-1]
+            out[-1] = Run(last.full_start, last.count + r.count, last.source, last.local_start)
+        else:
+            out.append(r)
+        pos += r.count
+    if pos != numel:
+        raise ValueError(f"the placement of {what} covers {pos} of its {numel} elements")
+    return out
+
+
+REPLICATED, COLUMN, ROW, VOCABULARY = "replicated", "column", "row", "vocabulary"
+
+
+def blocks_from_rule(rule: str, shards: Sequence[tuple[Hashable, tuple]],
+                     original_rows: Optional[int] = None) -> tuple[tuple, list[Block]]:
+    """``(full shape, blocks)`` of a tensor stored as ``shards`` (``(source, local shape)`` in tensor-rank
+    order) under a Megatron split rule: ``replicated`` (every shard is the whole tensor; the first one is
+    read, the others are replicas), ``column`` (concatenated on dim 0), ``row`` (on dim 1), or
+    ``vocabulary`` (on dim 0, then cut to ``original_rows`` rows when given: the padding of a
+    vocabulary padded for tensor parallelism).
+
+    Raises:
+        ValueError: the shard shapes do not fit the rule.
+    """
+    shapes = [tuple(s) for _, s in shards]
+    if rule == REPLICATED:
+        if len(set(shapes)) != 1:
+            raise ValueError(f"replicated shards differ in shape: {shapes}")
+        shape = shapes[0]
+        st = row_major_strides(shape)
+        return shape, [Block(shards[0][0], shape, 0, st, 0, st, tuple(s for s, _ in shards[1:]))]
+    dim = 1 if rule == ROW else 0
+    if any(len(s) <= dim for s in shapes) or len({s[:dim] + s[dim + 1:] for s in shapes}) != 1:
+        raise ValueError(f"shards of shapes {shapes} cannot be joined on dim {dim}")
+    full = list(shapes[0])
+    full[dim] = sum(s[dim] for s in shapes)
+    if rule == VOCABULARY and original_rows is not None:
+        if original_rows > full[0]:
+            raise ValueError(f"the original vocabulary ({original_rows}) is larger than the shards ({full[0]})")
+        full[0] = original_rows
+    full = tuple(full)
+    fst = row_major_strides(full)
+    blocks, start = [], 0
+    for source, s in shards:
+        take = list(s)
+        if dim == 0:
+            take[0] = max(0, min(s[0], full[0] - start))
+        if all(take):
+            blocks.append(Block(source, tuple(take), start * fst[dim], fst, 0, row_major_strides(s)))
+        start += s[dim]
+    return full, blocks
+
+
+__all__ = ["Block", "Run", "runs", "blocks_from_rule", "row_major_strides", "REPLICATED", "COLUMN", "ROW",
+           "VOCABULARY"]
