@@ -14,11 +14,16 @@ from .dtypes import OUTPUT_DTYPES
 from .errors import CkptError
 
 
+TP_RULES_HELP = ("tensor-parallel checkpoints saved without universal_checkpoint_info: a JSON file with its keys "
+                 "(tp_replicated_parameter_patterns, parameter_with_row_parallelism_patterns, "
+                 "vocabulary_parameter_patterns, original_vocab_size) saying how the shards join")
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from .deepspeed import open_checkpoint
     from .summary import describe, format_text
 
-    with open_checkpoint(args.path, tag=args.tag) as ckpt:
+    with open_checkpoint(args.path, tag=args.tag, tp_rules=args.tp_rules) as ckpt:
         if args.json:
             print(json.dumps(describe(ckpt), indent=2))
         else:
@@ -48,7 +53,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     states = [s for s in (args.states or "").split(",") if s]
     plan = plan_export(args.path, args.out, tag=args.tag, format=args.format, dtype=args.dtype,
                        max_shard_size=args.max_shard_size, exclude_frozen=args.exclude_frozen, states=states,
-                       workers=args.workers, overwrite=args.overwrite)
+                       workers=args.workers, overwrite=args.overwrite, tp_rules=args.tp_rules)
     if args.plan:
         print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.describe())
         return 0
@@ -87,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="summarise a checkpoint (metadata only, reads almost nothing)")
     p.add_argument("path", help="save dir (holds 'latest'), tag folder, or HF checkpoint-N / output folder")
     p.add_argument("--tag", help="tag to inspect (default: the one 'latest' names)")
+    p.add_argument("--tp-rules", metavar="FILE", help=TP_RULES_HELP)
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=_cmd_inspect)
 
@@ -94,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", help="the checkpoint (as for inspect)")
     p.add_argument("out", help="output folder (created; must be empty unless --overwrite)")
     p.add_argument("--tag", help="tag to export (default: the one 'latest' names)")
+    p.add_argument("--tp-rules", metavar="FILE", help=TP_RULES_HELP)
     p.add_argument("--format", choices=["safetensors", "torch"], default="safetensors")
     p.add_argument("--dtype", choices=list(OUTPUT_DTYPES), default="fp32",
                    help="dtype of parameters and floating buffers (integer buffers stay exact)")

@@ -43,6 +43,7 @@ class SourceRef:
     partition_count: Optional[int]
     total_bytes: int
     stamps: tuple = ()
+    tp_rules: Any = None  # how a tensor-parallel source without universal_checkpoint_info joins (SplitRules)
 
     @property
     def ranks(self) -> Optional[int]:
@@ -137,6 +138,21 @@ class TextFile:
     kind: str = "text"
 
 
+@dataclass
+class RangeCheck:
+    """Two range lists that must hold the same bytes (as ``dtype``), e.g. a tensor replicated on several
+    tensor ranks; a run compares them before it writes anything and stops, naming ``what``, if they differ."""
+
+    what: str
+    a: tuple = field(repr=False)
+    b: tuple = field(repr=False)
+    dtype: str = "float32"
+
+    @property
+    def read_bytes(self) -> int:
+        return stored_bytes(self.a) + stored_bytes(self.b)
+
+
 @dataclass(kw_only=True)
 class Plan:
     """What every plan has. ``files`` are written first (in parallel units, see :mod:`ckptlib.execute`),
@@ -154,10 +170,11 @@ class Plan:
     parallel: str = THREADS
     overwrite: bool = False
     notes: list = field(default_factory=list)
+    checks: list = field(default_factory=list)
 
     @property
     def read_bytes(self) -> int:
-        return sum(f.read_bytes for f in self.files)
+        return sum(f.read_bytes for f in self.files) + sum(c.read_bytes for c in self.checks)
 
     @property
     def write_bytes(self) -> int:
@@ -190,5 +207,5 @@ class Plan:
                 f"{str(self.out)!r})")
 
 
-__all__ = ["THREADS", "PROCESSES", "SourceRef", "PlannedTensor", "WeightsFile", "TreeFile", "CopyFile", "TextFile",
+__all__ = ["THREADS", "PROCESSES", "SourceRef", "RangeCheck", "PlannedTensor", "WeightsFile", "TreeFile", "CopyFile", "TextFile",
            "Plan"]

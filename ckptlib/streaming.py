@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from .dtypes import itemsize, torch_dtype
 from .progress import check_cancel
-from .ranges import StoredRange, Zeros
+from .ranges import StoredRange, Zeros, slice_ranges
 from .sources import SourceFiles
 
 DEFAULT_CHUNK_BYTES = 16 * 2**20
@@ -159,6 +159,26 @@ def _read_chunk(files: SourceFiles, r: StoredRange, out, crc: bool) -> tuple:
     return out, (zlib.crc32(_bytes(out)) if crc else None)
 
 
+def first_difference(a: Sequence, b: Sequence, dtype: str, files: SourceFiles,
+                     chunk_bytes: int = DEFAULT_CHUNK_BYTES, cancel: Any = None) -> Optional[int]:
+    """The first element where ranges ``a`` and ``b`` (both read as ``dtype``) differ bit for bit, or None
+    when they are equal (also in length). Memory: two chunks of ``chunk_bytes``."""
+    import torch
+
+    n = sum(r.count for r in a)
+    if sum(r.count for r in b) != n:
+        return 0
+    step = max(1, chunk_bytes // itemsize(dtype))
+    for pos in range(0, n, step):
+        check_cancel(cancel)
+        k = min(step, n - pos)
+        x = read_ranges(slice_ranges(a, pos, k), dtype, files).view(torch.uint8)
+        y = read_ranges(slice_ranges(b, pos, k), dtype, files).view(torch.uint8)
+        if not torch.equal(x, y):
+            return pos + int((x != y).nonzero()[0]) // itemsize(dtype)
+    return None
+
+
 def read_ranges(ranges: Sequence, dtype: str, files: SourceFiles):
     """The concatenation of ``ranges`` as one 1-D torch tensor of ``dtype`` (cast where needed).
 
@@ -183,4 +203,4 @@ def read_ranges(ranges: Sequence, dtype: str, files: SourceFiles):
 
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "FIXED_OVERHEAD_BYTES", "predicted_peak_bytes", "ChunkBuffers",
-           "copy_ranges", "read_ranges"]
+           "copy_ranges", "read_ranges", "first_difference"]

@@ -23,7 +23,13 @@ def describe(ckpt: Checkpoint) -> dict[str, Any]:
         "checkpoints": list(loc.checkpoints),
         "zero_stage": ckpt.zero_stage,
         "optimizer_flavor": ckpt.flavor,
-        "dp_world_size": ckpt.dp_world_size,
+        "parallelism": ckpt.kind,
+        "dp_world_size": ckpt.mesh.dp,
+        "pp_world_size": ckpt.mesh.pp,
+        "tp_world_size": ckpt.mesh.tp,
+        "ep_world_size": ckpt.mesh.ep,
+        "sp_world_size": ckpt.sequence_parallel,
+        "num_experts": ckpt.num_experts,
         "mp_world_size": ckpt.mp_world_size,
         "partition_count": ckpt.partition_count,
         "dtype": ckpt.dtype,
@@ -44,15 +50,33 @@ def describe(ckpt: Checkpoint) -> dict[str, Any]:
         "parameter_count": sum(p.numel for p in ckpt.parameters if p.tied_to is None),
         "trainable_count": sum(p.numel for p in ckpt.parameters if p.tied_to is None and p.trainable),
         "buffers": [{"name": b.name, "shape": list(b.shape), "dtype": b.dtype} for b in ckpt.buffers],
-        "files": [
-            {"path": f.relpath, "bytes": f.bytes, "kind": f.kind, "dp_rank": f.dp_rank, "mp_rank": f.mp_rank}
-            for f in ckpt.files
-        ],
+        "replicated": ckpt.replicated(),
+        "files": [dict({"path": f.relpath, "bytes": f.bytes, "kind": f.kind, "dp_rank": f.dp_rank,
+                        "mp_rank": f.mp_rank}, **ckpt.coordinates(f)) for f in ckpt.files],
         "total_bytes": ckpt.total_bytes,
         "bytes_read": ckpt.stats.bytes_read,
         "problems": list(ckpt.problems),
+        "cannot_read": list(ckpt.refusals),
         "notes": list(ckpt.notes),
     }
+
+
+def _parallel_line(ckpt: Checkpoint) -> str:
+    """What parallelism the run had, in words."""
+    parts = []
+    if ckpt.kind == "pipeline":
+        parts.append(f"pipeline, {ckpt.mesh.pp} stages")
+    elif ckpt.kind == "tensor_parallel":
+        parts.append(f"tensor parallel, {ckpt.mesh.tp} tensor ranks"
+                     + (f" ({len(ckpt.replicated())} tensors replicated)" if ckpt.view is not None else
+                        " (how the shards join is unknown: --tp-rules)"))
+    if ckpt.sequence_parallel > 1:
+        parts.append(f"sequence parallel (Ulysses) {ckpt.sequence_parallel}: the weights are not split; ZeRO "
+                     f"partitions over sp x dp = {ckpt.partition_count} ranks")
+    if ckpt.num_experts:
+        parts.append(f"mixture of experts, {', '.join(map(str, ckpt.num_experts))} experts per MoE layer, "
+                     f"expert parallel {ckpt.mesh.ep}")
+    return "; ".join(parts) or f"data parallel, {ckpt.mesh.dp} ranks"
 
 
 def format_text(ckpt: Checkpoint) -> str:
@@ -69,7 +93,9 @@ def format_text(ckpt: Checkpoint) -> str:
     lines += [
         f"ZeRO stage  {ckpt.zero_stage}{flavor}",
         f"dtype       {ckpt.dtype}",
-        f"world size  dp={ckpt.dp_world_size} mp={ckpt.mp_world_size}",
+        f"world size  dp={ckpt.mesh.dp} pp={ckpt.mesh.pp} tp={ckpt.mesh.tp} ep={ckpt.mesh.ep} "
+        f"sp={ckpt.sequence_parallel}",
+        f"parallel    {_parallel_line(ckpt)}",
         f"DeepSpeed   {ckpt.deepspeed_version}",
     ]
     if ckpt.optimizer:
@@ -85,20 +111,32 @@ def format_text(ckpt: Checkpoint) -> str:
     lines.append(f"files in {loc.tag}/ ({len(ckpt.files)} files, {human_bytes(ckpt.total_bytes)}):")
     width = max((len(f.relpath) for f in ckpt.files), default=10)
     for f in ckpt.files:
-        rank = "" if f.dp_rank is None else f"dp {f.dp_rank}"
+        where = ckpt.coordinates(f)
+        rank = " ".join(f"{label} {where[key]}" for key, label in (("stage", "stage"), ("tp_rank", "tp"),
+                                                                    ("dp_rank", "dp"), ("ep_rank", "ep"), ("layer", "layer"),
+                                                                    ("expert", "expert")) if where[key] is not None)
         lines.append(f"  {f.relpath:<{width}}  {human_bytes(f.bytes):>9}  {f.kind:<14} {rank}")
     lines.append("")
-    lines.append(f"{'parameter':<40} {'shape':<16} {'elements':>10}  kind")
+    names = [p.name for p in ckpt.parameters] + [b.name for b in ckpt.buffers]
+    nw = max([len(n) for n in names] + [len("parameter")])
+    sw = max([len(str(list(t.shape))) for t in list(ckpt.parameters) + list(ckpt.buffers)] + [len("shape")])
+    lines.append(f"{'parameter':<{nw}}  {'shape':<{sw}}  {'elements':>12}  kind")
+    replicated = set(d["replicated"])
     for p in ckpt.parameters:
         kind = f"tied to {p.tied_to}" if p.tied_to else ("trainable" if p.trainable else "frozen")
         if p.trainable and p.group is not None and not p.tied_to:
             kind += f" (group {p.group})"
-        lines.append(f"{p.name:<40} {str(list(p.shape)):<16} {p.numel:>10,}  {kind}")
+        if p.name in replicated:
+            kind += ", replicated"
+        lines.append(f"{p.name:<{nw}}  {str(list(p.shape)):<{sw}}  {p.numel:>12,}  {kind}")
     for b in ckpt.buffers:
-        lines.append(f"{b.name:<40} {str(list(b.shape)):<16} {'':>10}  buffer {b.dtype}")
+        lines.append(f"{b.name:<{nw}}  {str(list(b.shape)):<{sw}}  {'':>12}  buffer {b.dtype}"
+                     + (", replicated" if b.name in replicated else ""))
     lines.append("")
     for n in ckpt.notes:
         lines.append(f"note: {n}")
+    for r in ckpt.refusals:
+        lines.append(f"cannot read values: {r}; pass --tp-rules FILE (see `ckpt export --help`)")
     if ckpt.problems:
         lines.append(f"PROBLEMS ({len(ckpt.problems)}):")
         lines += [f"  - {p}" for p in ckpt.problems]

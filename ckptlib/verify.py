@@ -241,7 +241,7 @@ def verify(plan: Plan, out: Optional[os.PathLike] = None, *, chunk_bytes: int = 
         return result
     cmp = _Comparer(chunk_bytes, progress, cancel)
     try:
-        with open_checkpoint(plan.source.save_dir, tag=plan.source.tag) as src:
+        with open_checkpoint(plan.source.save_dir, tag=plan.source.tag, tp_rules=plan.source.tp_rules) as src:
             result.checks = do(plan, src, out, cmp)
     finally:
         result.bytes_compared = cmp.compared

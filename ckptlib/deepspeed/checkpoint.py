@@ -72,6 +72,7 @@ class Checkpoint:
         self.kind, self.mesh = joined.kind, joined.mesh
         self.sequence_parallel, self.num_experts = joined.sequence_parallel, joined.num_experts
         self.refusals: list[str] = joined.refusals
+        self.tp_rules = tp_rules
         self.view: Optional[ModelView] = joined.view
         if self.view is not None:
             self.notes += [n for n in self.view.notes if n not in self.notes]
@@ -113,7 +114,8 @@ class Checkpoint:
         return SourceRef(save_dir=os.fspath(self.location.save_dir), tag=self.location.tag,
                          tag_dir=os.fspath(self.location.tag_dir), zero_stage=self.zero_stage, flavor=self.flavor,
                          dtype=self.dtype, dp_world_size=self.mesh.dp, partition_count=self.partition_count,
-                         total_bytes=self.total_bytes, stamps=tuple(stamp(os.fspath(f.path)) for f in self.files))
+                         total_bytes=self.total_bytes, stamps=tuple(stamp(os.fspath(f.path)) for f in self.files),
+                         tp_rules=self.tp_rules)
 
     def param(self, name: str) -> ParameterInfo:
         for p in self.parameters:
@@ -136,6 +138,23 @@ class Checkpoint:
         seen = set(names)
         return names + [n for n in [p.name for p in self.parameters] + [b.name for b in self.buffers]
                         if n not in seen]
+
+    def replicated(self) -> list[str]:
+        """Names of the tensors stored whole on more than one tensor rank (compared when read)."""
+        if self.view is None:
+            return []
+        return [n for n, blocks in self.view.blocks.items() if any(b.replicas for b in blocks)]
+
+    def coordinates(self, f) -> dict:
+        """Where file ``f`` sits in the mesh: ``stage``, ``tp_rank``, ``dp_rank``, ``ep_rank``, ``layer``,
+        ``expert`` (None where the dimension does not apply)."""
+        mp = f.mp_rank if f.kind in ("model_states", "optim_states") else None
+        moe = self.num_experts is not None and f.kind in ("optim_states", "expert_optim_states")
+        return {"stage": mp if self.kind == PIPELINE else None,
+                "tp_rank": mp if self.kind == "tensor_parallel" else None,
+                "dp_rank": f.dp_rank if f.kind != "expert_optim_states" else None,
+                "ep_rank": (f.dp_rank % self.mesh.ep if f.kind == "optim_states" else f.dp_rank) if moe else None,
+                "expert": f.expert, "layer": f.layer}
 
     def check_readable(self) -> None:
         """Raise if values cannot be read: :class:`UnsupportedCheckpointError` for a layout ckptlib does not

@@ -87,16 +87,22 @@ def expert_file_problems(fs: OpenedFiles, model: dict) -> list[str]:
     """Expert files that do not hold their expert (left over from another run, damaged), and the expert
     files the model's ``num_experts`` expects but the folder lacks, one sentence each naming the file."""
     out = []
+    counts = model.get("num_experts")
+    counts = list(counts) if isinstance(counts, (list, tuple)) else None
     for f in (f for f in fs.files if f.kind == fnames.EXPERT_STATES):
         tf = fs.get(f)
         if tf is None:
             continue  # unreadable: already a problem
+        layer = f.layer or 0
+        if counts is not None and (layer >= len(counts) or f.expert >= int(counts[layer])):
+            out.append(f"{f.relpath}: the model has {counts[layer] if layer < len(counts) else 0} experts in MoE "
+                       f"layer {layer}, this file is for expert {f.expert}: an expert file of another run")
+            continue
         keys = [k for k, v in tf.obj.items() if isinstance(v, TensorHandle)] if isinstance(tf.obj, dict) else []
         if not keys or any(expert_id(k) != f.expert for k in keys):
             out.append(f"{f.relpath}: holds no tensors of expert {f.expert} (its keys do not name "
                        f"deepspeed_experts.{f.expert}): left over from another run, or damaged")
-    counts = model.get("num_experts")
-    if isinstance(counts, (list, tuple)):
+    if counts is not None:
         have = {(f.layer or 0, f.expert) for f in fs.files if f.kind == fnames.EXPERT_STATES}
         for layer, n in enumerate(counts):
             for g in range(int(n)):
@@ -106,4 +112,17 @@ def expert_file_problems(fs: OpenedFiles, model: dict) -> list[str]:
     return out
 
 
-__all__ = ["expert_file_problems", "is_moe", "expert_id", "global_name", "ExpertGroup", "expert_groups", "expert_file_tensors"]
+def with_experts(module: dict, experts: dict) -> dict:
+    """``module`` with the expert tensors placed where the un-distributed model's ``state_dict`` has them:
+    after the last entry of the MoE layer they belong to (its gate), or at the end."""
+    out = list(module.items())
+    by_layer: dict = collections.OrderedDict()
+    for name, t in experts.items():
+        by_layer.setdefault(name[:name.index("experts.deepspeed_experts.")], []).append((name, t))
+    for prefix, items in by_layer.items():
+        anchor = max((i for i, (k, _) in enumerate(out) if k.startswith(prefix)), default=len(out) - 1)
+        out[anchor + 1:anchor + 1] = items
+    return collections.OrderedDict(out)
+
+
+__all__ = ["with_experts", "expert_file_problems", "is_moe", "expert_id", "global_name", "ExpertGroup", "expert_groups", "expert_file_tensors"]

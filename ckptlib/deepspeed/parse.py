@@ -17,7 +17,7 @@ from ..torchzip import TensorHandle
 from . import files as fnames
 from . import partitions
 from .fileset import OpenedFiles
-from .moe import expert_file_problems, expert_file_tensors, is_moe
+from .moe import expert_file_problems, expert_file_tensors, is_moe, with_experts
 from .records import BF16_OPTIMIZER, NO_ZERO, ZERO, BufferInfo, OptimizerInfo, Records
 from .releases import find_quirks, refuse_old_layouts, written_by
 from .values import as_int, as_str, get, plain
@@ -53,7 +53,7 @@ def parse(fs: OpenedFiles, notes: list, problems: list, mp: int = 0, module: Opt
     rec.ds_config = model.get("ds_config") if isinstance(model.get("ds_config"), dict) else {}
     rec.index.module = model.get("module") if isinstance(model.get("module"), dict) else {}
     if is_moe(fs, model) and module is None:  # the experts' 16-bit weights, under their global ids
-        rec.index.module = dict(rec.index.module, **expert_file_tensors(fs))
+        rec.index.module = with_experts(rec.index.module, expert_file_tensors(fs))
         model = dict(model, module=rec.index.module)
         problems += expert_file_problems(fs, model)
 

@@ -21,7 +21,7 @@ from ..output import AtomicOutputDir
 from ..plan import Plan
 from ..progress import Observer
 from ..sources import check_unchanged
-from .runner import RunResult, finished, write_in_threads
+from .runner import RunResult, compare_copies, finished, write_in_threads
 from .writers import assign, prepare, units, write_finals
 
 
@@ -44,6 +44,7 @@ def run_distributed(plan: Plan, observer: Optional[Observer] = None, cancel: Any
             if rank == 0:
                 try:
                     check_unchanged(plan.source.stamps)
+                    compare_copies(plan, cancel)
                     atomic = AtomicOutputDir(plan.out, source=plan.source.save_dir, overwrite=plan.overwrite)
                     tmp = atomic.__enter__()
                     prepare(plan, tmp)

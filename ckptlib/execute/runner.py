@@ -18,11 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from ..errors import IncompleteCheckpointError
 from ..memory import MemoryReport, watch_memory
 from ..output import AtomicOutputDir, reporting_failures
 from ..plan import PROCESSES, Plan
 from ..progress import Observer, check_cancel
 from ..sources import SourceFiles, check_unchanged
+from ..streaming import first_difference
 from .processes import write_in_processes
 from .writers import Unit, WriteContext, prepare, units, write_finals, write_unit
 
@@ -92,6 +94,7 @@ def run(plan: Plan, observer: Optional[Observer] = None, cancel: Any = None) -> 
         observer.on_start(plan)
         with reporting_failures(plan.out, observer):
             check_unchanged(plan.source.stamps)
+            compare_copies(plan, cancel)
             with AtomicOutputDir(plan.out, source=plan.source.save_dir, overwrite=plan.overwrite) as tmp:
                 prepare(plan, tmp)
                 if plan.parallel == PROCESSES and plan.workers > 1:
@@ -103,6 +106,24 @@ def run(plan: Plan, observer: Optional[Observer] = None, cancel: Any = None) -> 
     result = finished(plan, time.perf_counter() - t0, read, watch.report)
     observer.on_finish(result)
     return result
+
+
+def compare_copies(plan: Plan, cancel: Any = None) -> None:
+    """Run the plan's range checks (copies that must be equal) before anything is written.
+
+    Raises:
+        IncompleteCheckpointError: two copies differ (naming them and the first element that differs).
+    """
+    if not plan.checks:
+        return
+    with SourceFiles() as files:
+        for c in plan.checks:
+            at = first_difference(c.a, c.b, c.dtype, files, plan.chunk_bytes, cancel)
+            if at is not None:
+                raise IncompleteCheckpointError(
+                    f"{c.what} differ (first at element {at}) although the checkpoint says they are one tensor "
+                    "stored on several ranks; ckptlib does not pick one", path=plan.source.tag_dir,
+                    hint="one of the rank files is damaged or from another run: restore it from a copy")
 
 
 def finished(plan: Plan, seconds: float, read: int, memory: Optional[MemoryReport]) -> RunResult:

@@ -14,7 +14,7 @@ from typing import ClassVar, Optional, Sequence, Union
 from ..deepspeed import Checkpoint, open_checkpoint
 from ..dtypes import OUTPUT_DTYPES, BY_SHORT, is_floating
 from ..errors import CkptError
-from ..plan import PROCESSES, Plan, PlannedTensor, TextFile, WeightsFile
+from ..plan import PROCESSES, Plan, PlannedTensor, RangeCheck, TextFile, WeightsFile
 from ..streaming import DEFAULT_CHUNK_BYTES
 from ..units import human_bytes, parse_size
 
@@ -117,13 +117,13 @@ def _file_names(fmt: str, n: int) -> tuple[list[str], Optional[str]]:
 
 def _weights(ck: Checkpoint, out_dtype: str, exclude_frozen: bool) -> list[PlannedTensor]:
     params = {p.name: p for p in ck.parameters}
-    buffers = {b.name for b in ck.buffers}
+    buffers = {b.name: b for b in ck.buffers}
     out = []
     for name in ck.state_dict_names():
         if name in buffers:
-            h = ck.module_tensor(name)
-            dt = out_dtype if is_floating(h.dtype_name) else h.dtype_name
-            out.append(PlannedTensor(name, name, None, "buffer", tuple(h.shape), dt, tuple(ck.sources(name))))
+            b = buffers[name]
+            dt = out_dtype if is_floating(b.dtype) else b.dtype
+            out.append(PlannedTensor(name, name, None, "buffer", tuple(b.shape), dt, tuple(ck.sources(name))))
             continue
         p = params[name]
         owner = params[p.tied_to] if p.tied_to else p
@@ -139,7 +139,7 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
                 tag: Optional[str] = None, format: str = "safetensors", dtype: str = "fp32",
                 max_shard_size: Union[int, str] = "5GB", exclude_frozen: bool = False,
                 states: Sequence[str] = (), workers: int = 1, overwrite: bool = False,
-                chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> ExportPlan:
+                chunk_bytes: int = DEFAULT_CHUNK_BYTES, tp_rules=None) -> ExportPlan:
     """Plan the export of consolidated weights (and optionally optimizer states); reads no tensor data.
 
     Args:
@@ -155,10 +155,15 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
             to its own sub-folder ``out/<key>/`` in the same layout (fp32, trainable parameters).
         workers: processes to write with (each receives the pickled plan).
         chunk_bytes: streaming chunk size; the memory bound follows from it.
+        tp_rules: how a tensor-parallel checkpoint saved without ``universal_checkpoint_info`` joins its
+            shards (a JSON file; see :func:`ckptlib.open_checkpoint`).
+
+    Tensor-parallel shards are joined into full tensors; tensors replicated on several tensor ranks
+    are compared when the plan runs, before anything is written (``plan.checks``).
 
     Memory: the plan itself (one small record per tensor and stored range).
     """
-    ck = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, tag=tag)
+    ck = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, tag=tag, tp_rules=tp_rules)
     if format not in FORMATS:
         raise CkptError(f"unknown format {format!r}; choose one of {', '.join(FORMATS)}")
     if dtype not in OUTPUT_DTYPES:
@@ -204,10 +209,14 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
         if index:
             index_files[prefix + index] = [f.name for f in group]
             finals.append(TextFile(prefix + index, _index_json(group, key), kind="index"))
+    checks = [RangeCheck(what, tuple(a), tuple(b), a[0].dtype if a else "float32")  # compared as stored
+              for f in files for t in f.tensors for what, a, b in ck.replica_checks(t.source, t.key)
+              if t.kind != "tied"]
     return ExportPlan(source=ck.source_ref(), out=Path(out).expanduser().resolve(), files=files, finals=finals,
                       format=format, dtype=dtype, max_shard_size=limit, exclude_frozen=exclude_frozen,
                       states=tuple(states), index_files=index_files, chunk_bytes=chunk_bytes, workers=workers,
-                      overwrite=overwrite, notes=warnings)
+                      overwrite=overwrite, notes=warnings + [n for n in ck.view.notes if ck.kind != "data_parallel"],
+                      checks=checks)
 
 
 def _index_json(group: list[WeightsFile], key: Optional[str]) -> str:
