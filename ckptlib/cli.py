@@ -73,12 +73,13 @@ def _cmd_reshard(args: argparse.Namespace) -> int:
     from .execute import run
 
     if args.universal:
-        plan = plan_universal(args.path, args.out, tag=args.tag, overwrite=args.overwrite, workers=args.workers)
+        plan = plan_universal(args.path, args.out, tag=args.tag, overwrite=args.overwrite, workers=args.workers,
+                              tp_rules=args.tp_rules)
     else:
         if args.world_size is None:
             raise CkptError("--world-size is required (or --universal for a size-independent checkpoint)")
         plan = plan_reshard(args.path, args.out, args.world_size, tag=args.tag, overwrite=args.overwrite,
-                            workers=args.workers)
+                            workers=args.workers, tp_rules=args.tp_rules)
     if args.plan:
         print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.describe())
         return 0
@@ -124,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="output folder: a DeepSpeed save dir (latest + tag folder) that loads at the new size")
     p.add_argument("--world-size", type=int, help="the new data-parallel size")
     p.add_argument("--tag", help="tag to reshard (default: the one 'latest' names)")
+    p.add_argument("--tp-rules", metavar="FILE", help=TP_RULES_HELP)
     p.add_argument("--universal", action="store_true",
                    help="write DeepSpeed's universal checkpoint layout instead (load with load_universal at any size)")
     p.add_argument("--plan", action="store_true", help="only show which source ranks feed which target rank, "

@@ -48,6 +48,20 @@ def ds_fixture(request, fixture_by_name):
     return fixture_by_name(request.param)
 
 
+@pytest.fixture(scope="session")
+def parallel_fixtures() -> dict:
+    """Pipeline, tensor-parallel, MoE, AutoTP and Ulysses checkpoints made by DeepSpeed (cached; see
+    tests/fixtures/parallel and tests/fixtures/hf_parallel), by name."""
+    from tests.fixtures.hf_parallel import factory as hf_factory
+    from tests.fixtures.parallel import factory as par_factory
+
+    out = {}
+    for factory in (par_factory, hf_factory):
+        for fx in factory.list_fixtures(factory.ensure_fixtures(verbose=False)):
+            out[fx["name"]] = fx
+    return out
+
+
 def pytest_generate_tests(metafunc):
     if "ds_fixture" in metafunc.fixturenames:
         names = fixture_names()

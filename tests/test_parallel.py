@@ -18,18 +18,6 @@ from ckptlib.stformat import read_header
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="session")
-def parallel_fixtures() -> dict:
-    from tests.fixtures.hf_parallel import factory as hf_factory
-    from tests.fixtures.parallel import factory as par_factory
-
-    out = {}
-    for factory in (par_factory, hf_factory):
-        for fx in factory.list_fixtures(factory.ensure_fixtures(verbose=False)):
-            out[fx["name"]] = fx
-    return out
-
-
 def _names():
     from tests.fixtures.hf_parallel.common import all_specs as hf_specs
     from tests.fixtures.parallel.generate import all_specs as par_specs

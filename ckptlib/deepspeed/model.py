@@ -41,6 +41,7 @@ class ModelView:
     resolve: Resolver = field(repr=False, default=None)
     kind: str = "data_parallel"
     notes: list = field(default_factory=list)
+    roles: dict = field(default_factory=dict)  # tensor parallel: name -> "replicated"/"column"/"row"/"vocabulary"/"affine"
 
     def param(self, name: str) -> ParameterInfo:
         for p in self.parameters:

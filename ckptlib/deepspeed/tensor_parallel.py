@@ -121,7 +121,7 @@ def tensor_parallel_view(sets: dict, rules: SplitRules) -> ModelView:
     """The full model of a tensor-parallel checkpoint whose ZeRO sets are ``sets`` (tensor rank -> set)."""
     first = sets[min(sets)]
     tps = sorted(sets)
-    params, blocks, notes = [], {}, []
+    params, blocks, notes, roles = [], {}, [], {}
     for p in first.parameters:
         if p.tied_to:
             params.append(ParameterInfo(p.name, (), p.trainable, p.tied_to, p.group, p.stored_dtype))
@@ -132,6 +132,7 @@ def tensor_parallel_view(sets: dict, rules: SplitRules) -> ModelView:
                 f"parameter {p.name} matches {key} ({rules.origin}): fused or averaged tensor-parallel parameters "
                 "are not joined by ckptlib yet", path=first.location.tag_dir)
         shape, bl = _join(p.name, sets, tps, rules, first)
+        roles[p.name] = "affine" if rules.affine_entry(p.name) is not None else rules.rule(p.name)
         params.append(ParameterInfo(p.name, shape, p.trainable, None, p.group, p.stored_dtype))
         blocks[p.name] = bl
     by_name = {p.name: p for p in params}
@@ -149,7 +150,7 @@ def tensor_parallel_view(sets: dict, rules: SplitRules) -> ModelView:
     notes.append(f"{len(tps)} tensor ranks joined by the rules of {rules.origin}")
     return ModelView(parameters=params, buffers=buffers, order=first.state_dict_names(), blocks=blocks,
                      resolve=lambda source, key: sets[source[0]].sources(source[1], key), kind="tensor_parallel",
-                     notes=notes)
+                     notes=notes, roles=roles)
 
 
 def _join(name: str, sets: dict, tps: list, rules: SplitRules, first, buffer: bool = False):

@@ -61,8 +61,11 @@ class ReshardPlan(Plan):
 
 def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str, os.PathLike], world_size: int, *,
                  tag: Optional[str] = None, overwrite: bool = False,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, workers: Optional[int] = None) -> ReshardPlan:
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, workers: Optional[int] = None, tp_rules=None) -> ReshardPlan:
     """Plan rewriting a ZeRO-1/2/3 checkpoint for ``world_size`` data-parallel ranks (metadata only).
+
+    A pipeline or tensor-parallel checkpoint keeps its stages and tensor ranks: each one's ZeRO set is
+    re-sliced for the new data-parallel size, its layer files are copied.
 
     The target holds, for every target rank, the fp32 partition and every per-element optimizer state
     re-sliced with the new padding, with ``group_paddings``, ``partition_count``, ``param_slice_mappings``
@@ -72,23 +75,23 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
 
     Memory: the plan (object trees whose tensors are range lists, not read yet).
     """
-    ck = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, tag=tag)
+    ck = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, tag=tag, tp_rules=tp_rules)
     ck.check_readable()
     if world_size < 1:
         raise CkptError("the target world size must be at least 1")
-    if ck.flavor == NO_ZERO:
-        raise UnsupportedCheckpointError(
-            "this checkpoint has no ZeRO partitioning (stage 0): DeepSpeed loads it at any data-parallel size "
-            "as it is", path=ck.location.tag_dir, hint="no reshard is needed")
-    resharder = Zero3Resharder(ck, world_size) if ck.zero_stage == 3 else Zero12Resharder(ck, world_size)
+    refuse_unsupported(ck)
     tag_name = ck.location.tag
     files: list = []
-    for name, obj in resharder.model_states().items():
-        rank = fnames.classify(name).dp_rank
-        files.append(tree_file(f"{tag_name}/{name}", "model_states", obj, rank))
-    for r in range(world_size):
-        name, obj = resharder.optim_states(r)
-        files.append(tree_file(f"{tag_name}/{name}", "optim_states", obj, r, resharder.feeds(r)))
+    notes: list = []
+    for zs in ck.sets.values():  # one ZeRO set per stage or tensor rank: each re-sliced on its own
+        resharder = Zero3Resharder(zs, world_size) if zs.zero_stage == 3 else Zero12Resharder(zs, world_size)
+        notes += [n for n in resharder.notes if n not in notes]
+        for name, obj in resharder.model_states().items():
+            rank = fnames.classify(name).dp_rank
+            files.append(tree_file(f"{tag_name}/{name}", "model_states", obj, rank))
+        for r in range(world_size):
+            name, obj = resharder.optim_states(r)
+            files.append(tree_file(f"{tag_name}/{name}", "optim_states", obj, r, resharder.feeds(r)))
     for f in ck.files:
         if f.kind not in (fnames.MODEL_STATES, fnames.OPTIM_STATES):
             files.append(CopyFile(f"{tag_name}/{f.path.name}", os.fspath(f.path), f.bytes))
@@ -96,8 +99,27 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
         files.append(CopyFile(Path(script).name, script, os.path.getsize(script)))
     return ReshardPlan(source=ck.source_ref(), out=Path(out).expanduser().resolve(), world_size=world_size,
                        files=files, finals=[TextFile("latest", tag_name, kind="latest")], folders=[tag_name],
-                       chunk_bytes=chunk_bytes, overwrite=overwrite, notes=list(resharder.notes),
+                       chunk_bytes=chunk_bytes, overwrite=overwrite, notes=notes,
                        workers=workers or default_workers())
 
 
-__all__ = ["ReshardPlan", "plan_reshard", "default_workers"]
+def refuse_unsupported(ck: Checkpoint) -> None:
+    """Checkpoints a reshard (direct or universal) does not apply to, or cannot rewrite yet, each with the reason."""
+    where = ck.location.tag_dir
+    if ck.flavor == NO_ZERO:
+        raise UnsupportedCheckpointError(
+            "this checkpoint has no ZeRO partitioning (stage 0): DeepSpeed loads it at any data-parallel size "
+            "as it is", path=where, hint="no reshard is needed")
+    if ck.num_experts:
+        raise UnsupportedCheckpointError(
+            "resharding a mixture-of-experts checkpoint is not supported yet (its expert groups are partitioned "
+            "over the expert-data-parallel ranks, which change with the world size)", path=where,
+            hint="`ckpt export` writes its full model (every expert under its global id)")
+    if ck.kind == "pipeline" and ck.zero_stage == 0:
+        raise UnsupportedCheckpointError(
+            "a ZeRO-0 pipeline checkpoint with BF16_Optimizer: DeepSpeed 0.19.8 cannot load these even at the size "
+            "they were saved with (KeyError: 0 in BF16_Optimizer._load_legacy_checkpoint)", path=where,
+            hint="`ckpt export` writes its full model; train with ZeRO-1 to make checkpoints that reshard")
+
+
+__all__ = ["ReshardPlan", "plan_reshard", "default_workers", "refuse_unsupported"]

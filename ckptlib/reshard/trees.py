@@ -10,8 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from ..deepspeed import Checkpoint
-from ..mesh import Rank
+from ..deepspeed import Checkpoint, ZeroSet
 from ..plan import TreeFile
 from ..ranges import Zeros
 from ..torchzip import TensorHandle
@@ -40,18 +39,18 @@ def copied(h: TensorHandle) -> NewTensor:
     return NewTensor(h.dtype_name, tuple(h.shape), tuple(h.ranges()), requires_grad=h.requires_grad)
 
 
-def to_ranges(ck: Checkpoint, pieces: list, key: Optional[str]) -> list:
-    """Layout pieces (and zeros) of the source as stored ranges of state ``key`` (None: the fp32 master)."""
+def to_ranges(ck: ZeroSet, pieces: list, key: Optional[str]) -> list:
+    """Layout pieces (and zeros) of a set as stored ranges of state ``key`` (None: the fp32 master)."""
     out: list = []
     for p in pieces:
         if isinstance(p, Zeros):
             out.append(p)
         else:
-            out += ck.partition_tensor(Rank(dp=p.rank), p.group, key).ranges(p.rank_start, p.count)
+            out += ck.partition_tensor(ck.rank(p.rank), p.group, key).ranges(p.rank_start, p.count)
     return out
 
 
-def optim_prefix(ck: Checkpoint) -> str:
+def optim_prefix(ck: ZeroSet) -> str:
     """``"bf16_"``, ``"fp16_"`` or ``""``: how the source names its optimizer-state files."""
     return next((f.prefix for f in ck.files if f.kind == "optim_states"), "")
 
@@ -64,7 +63,7 @@ def tree_file(name: str, kind: str, obj: Any, rank: Optional[int] = None,
     return TreeFile(name, kind, obj, read, written, rank, list(source_ranks or []))
 
 
-def sub_group_size(ck: Checkpoint) -> int:
+def sub_group_size(ck: ZeroSet) -> int:
     zcfg = ck.ds_config.get("zero_optimization") or {}
     return int(float(zcfg.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)))
 

@@ -94,7 +94,7 @@ from ..plan import CopyFile, Plan, TextFile
 from ..streaming import DEFAULT_CHUNK_BYTES
 from ..torchzip import TensorHandle
 from ..units import human_bytes
-from .plan import default_workers
+from .plan import default_workers, refuse_unsupported
 from .trees import copied, replace, streamed, tree_file
 
 UNIVERSAL_SUFFIX = "_universal"
@@ -256,9 +256,38 @@ def _notes(ck: Checkpoint, tied: list, skipped_frozen: list) -> list[str]:
     return notes
 
 
+def _model_state_files(ck: Checkpoint, utag: str) -> list:
+    """Every model-states file (each stage's or tensor rank's) and every layer file, copied; a model-states
+    file of a pipeline or tensor-parallel run without ``universal_checkpoint_info`` gets one (the loader
+    needs it): the rules it was read with, or the bare version, as ``ds_to_universal --inject_missing_state``."""
+    out = []
+    for f in ck.files:
+        if f.kind not in (fnames.MODEL_STATES, fnames.LAYER_STATES):
+            continue
+        where = [f.dp_rank] if f.dp_rank is not None else []
+        if f.kind == fnames.MODEL_STATES and len(ck.sets) > 1:
+            obj = ck.set_of(Rank(tp=f.mp_rank or 0, pp=f.mp_rank or 0)).model_states_file(
+                Rank(dp=f.dp_rank or 0, tp=f.mp_rank or 0, pp=f.mp_rank or 0)).obj
+            if "universal_checkpoint_info" not in obj:
+                info = {"universal_checkpoint_version": 0.2}
+                rules = ck.tp_rules
+                if rules is not None:
+                    info.update({"tp_replicated_parameter_patterns": list(rules.replicated),
+                                 "parameter_with_row_parallelism_patterns": list(rules.row),
+                                 "vocabulary_parameter_patterns": list(rules.vocabulary),
+                                 **({"original_vocab_size": rules.original_vocab_size}
+                                    if rules.original_vocab_size is not None else {})})
+                out.append(tree_file(f"{utag}/{f.path.name}", "model_states",
+                                     dict(obj, universal_checkpoint_info=info), f.dp_rank, where))
+                continue
+        out.append(CopyFile(f"{utag}/{f.path.name}", os.fspath(f.path), f.bytes, rank=f.dp_rank, source_ranks=where))
+    return out
+
+
 def plan_universal(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str, os.PathLike], *,
                    tag: Optional[str] = None, overwrite: bool = False,
-                   chunk_bytes: int = DEFAULT_CHUNK_BYTES, workers: Optional[int] = None) -> UniversalPlan:
+                   chunk_bytes: int = DEFAULT_CHUNK_BYTES, workers: Optional[int] = None,
+                   tp_rules=None) -> UniversalPlan:
     """Plan writing the universal checkpoint of a ZeRO-1/2/3 (or BF16_Optimizer) checkpoint (metadata only).
 
     ``out`` is a new folder that DeepSpeed loads with ``engine.load_checkpoint(out)`` and
@@ -266,13 +295,14 @@ def plan_universal(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[s
     the layout and what the loader reads). Memory: the plan (object trees whose tensors are range
     lists, not read yet).
     """
-    ck = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, tag=tag)
+    ck = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, tag=tag, tp_rules=tp_rules)
     ck.check_readable()
     if ck.flavor == NO_ZERO:
         raise UnsupportedCheckpointError(
             "this checkpoint has no ZeRO partitioning (stage 0): DeepSpeed's universal loader only works with "
             "ZeRO stages 1-3", path=ck.location.tag_dir,
             hint="DeepSpeed loads a stage-0 checkpoint at any size as it is")
+    refuse_unsupported(ck)
     src = _Source(ck)
     utag = f"{ck.location.tag}{UNIVERSAL_SUFFIX}"
     optimizer_state = src.optimizer_state()
@@ -295,24 +325,24 @@ def plan_universal(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[s
                 continue
             add(f"{p.name}/fp32.pt", {"param": streamed("float32", ranges, shape=tuple(p.shape))})  # as ds_to_universal
             continue
-        ranks = sorted({pc.rank for pc in ck.pieces(p.name)})
+        single = len(ck.sets) == 1
+        ranks = sorted({pc.rank for pc in ck.pieces(p.name)}) if single else []
         rg = ck.partition_tensor(Rank(dp=ranks[0]), p.group).requires_grad if ranks else False
-        add(f"{p.name}/fp32.pt", {"cat_dim": 0, "param": streamed("float32", ck.sources(p.name), rg, tuple(p.shape))},
+        role = ck.view.roles.get(p.name)
+        extra = {"cat_dim": 1 if role == "row" else 0, **({"vocab_tensor": True} if role == "vocabulary" else {})}
+        add(f"{p.name}/fp32.pt", {**extra, "param": streamed("float32", ck.sources(p.name), rg, tuple(p.shape))},
             ranks=ranks)
         for key in src.keys.get(p.group, []):
             ranges = ck.sources(p.name, key)
             h = ck.partition_tensor(Rank(dp=ranks[0]), p.group, key) if ranks else None
             dtype = ranges[0].dtype if ranges else "float32"
-            add(f"{p.name}/{key}.pt", {"cat_dim": 0, "param": streamed(dtype, ranges, bool(h and h.requires_grad),
-                                                                        tuple(p.shape))}, ranks=ranks)
+            add(f"{p.name}/{key}.pt", {**extra, "param": streamed(dtype, ranges, bool(h and h.requires_grad),
+                                                                   tuple(p.shape))}, ranks=ranks)
         step = src.step(p.group)
         if step is not None:
             add(f"{p.name}/step.pt", copied(step) if isinstance(step, TensorHandle) else step)
     add("optimizer_state.pt", optimizer_state, kind="optimizer_state")
-    for f in ck.files:
-        if f.kind == fnames.MODEL_STATES and (f.mp_rank or 0) == 0:
-            files.append(CopyFile(f"{utag}/{f.path.name}", os.fspath(f.path), f.bytes, rank=f.dp_rank,
-                                  source_ranks=[f.dp_rank] if f.dp_rank is not None else []))
+    files += _model_state_files(ck, utag)
     return UniversalPlan(source=ck.source_ref(), out=Path(out).expanduser().resolve(), universal_tag=utag,
                          files=files, finals=[TextFile(LATEST_UNIVERSAL, utag, kind="latest")],
                          folders=[f"{utag}/zero"], chunk_bytes=chunk_bytes, overwrite=overwrite,

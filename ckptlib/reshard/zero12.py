@@ -4,19 +4,19 @@ from __future__ import annotations
 import collections
 from typing import Any
 
-from ..deepspeed import BF16_OPTIMIZER, Checkpoint
+from ..deepspeed import BF16_OPTIMIZER, ZeroSet
 from ..deepspeed import files as fnames
 from ..errors import UnsupportedCheckpointError
 from ..layout import FlatGroupLayout, Piece, reslice_by_params, reslice_flat, round_robin_order
-from ..mesh import Rank
 from ..torchzip import FragmentAddress, TensorHandle
 from .trees import optim_prefix, replace, streamed, to_ranges
 
 
 class Zero12Resharder:
-    """Target files of a ZeRO-1/2 (or BF16_Optimizer) checkpoint at ``world_size`` ranks."""
+    """Target files of one ZeRO-1/2 (or BF16_Optimizer) set (a checkpoint's, or one stage's or tensor
+    rank's) at ``world_size`` data-parallel ranks."""
 
-    def __init__(self, ck: Checkpoint, world_size: int):
+    def __init__(self, ck: ZeroSet, world_size: int):
         self.ck, self.m = ck, world_size
         self.bf16 = ck.flavor == BF16_OPTIMIZER
         self.src: list[FlatGroupLayout] = ck.layouts
@@ -55,7 +55,7 @@ class Zero12Resharder:
         ck = self.ck
         mismatched_mappings = False
         for r in range(ck.partition_count):
-            osd = ck.optimizer_state_dict(Rank(dp=r))
+            osd = ck.optimizer_state_dict(ck.rank(r))
             if "base_optimizer_state" in osd and not isinstance(osd["base_optimizer_state"], dict):
                 raise UnsupportedCheckpointError(
                     "elastic ZeRO-1/2 optimizer state (saved with elastic_checkpoint: true) cannot be resharded yet "
@@ -83,17 +83,17 @@ class Zero12Resharder:
 
             repl["param_shapes"] = [collections.OrderedDict((s.name, torch.Size(s.shape)) for s in lay.slots)
                                     for lay in self.dst]
-        return {fnames.model_states_name(): replace(model, **repl)}
+        return {fnames.model_states_name(self.ck.mp): replace(model, **repl)}
 
     def optim_states(self, rank: int) -> tuple[str, Any]:
         """``(file name, object tree)`` of target ``rank``'s optimizer-states file."""
         ck, m = self.ck, self.m
-        top = ck.optim_states_file(Rank()).obj
+        top = ck.optim_states_file(ck.rank(0)).obj
         osd0 = top["optimizer_state_dict"]
         fp32 = []
         for g in range(len(self.src)):
             pieces = self._reslice(g, rank, padded=self.bf16)
-            rg = ck.partition_tensor(Rank(), g).requires_grad
+            rg = ck.partition_tensor(ck.rank(0), g).requires_grad
             fp32.append(streamed("float32", to_ranges(ck, pieces, None), requires_grad=rg))
         base = osd0["base_optimizer_state"]
         state = type(base["state"])()
@@ -118,7 +118,7 @@ class Zero12Resharder:
         if "param_slice_mappings" in osd0:
             repl["param_slice_mappings"] = mappings
         new_top = replace(top, optimizer_state_dict=replace(osd0, **repl))
-        return fnames.optim_states_name(rank, prefix=optim_prefix(ck)), new_top
+        return fnames.optim_states_name(rank, ck.mp, prefix=optim_prefix(ck)), new_top
 
     def feeds(self, rank: int) -> list[int]:
         """The source ranks whose bytes target ``rank`` reads."""

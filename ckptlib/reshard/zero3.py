@@ -4,26 +4,26 @@ from __future__ import annotations
 import collections
 from typing import Any
 
-from ..deepspeed import Checkpoint
+from ..deepspeed import ZeroSet
 from ..deepspeed import files as fnames
 from ..errors import UnsupportedCheckpointError
 from ..layout import Piece, Zero3Layout, chunk_size, reslice_zero3, zero3_sub_groups
-from ..mesh import Rank
 from ..ranges import Zeros, slice_ranges
 from ..torchzip import TensorHandle
 from .trees import copied, optim_prefix, replace, streamed, sub_group_size, to_ranges
 
 
 class Zero3Resharder:
-    """Target files of a ZeRO-3 checkpoint at ``world_size`` ranks."""
+    """Target files of one ZeRO-3 set (a checkpoint's, or one tensor rank's) at ``world_size`` data-parallel
+    ranks."""
 
-    def __init__(self, ck: Checkpoint, world_size: int):
+    def __init__(self, ck: ZeroSet, world_size: int):
         self.ck, self.m = ck, world_size
         self.notes: list[str] = []
         n = ck.partition_count
         self.src: Zero3Layout = ck.layouts[0]
         self.sub_group_size = sub_group_size(ck)
-        groups = ck.optimizer_state_dict(Rank())["optimizer_state_dict"]["param_groups"]
+        groups = ck.optimizer_state_dict(ck.rank(0))["optimizer_state_dict"]["param_groups"]
         src_subs = [[s for s in self.src.slots if s.sub_group == k] for k in range(len(self.src.sub_group_sizes))]
         self.group_params: list[list] = []
         for g, group in enumerate(groups):
@@ -54,7 +54,7 @@ class Zero3Resharder:
     def model_states(self) -> dict[str, Any]:
         """``{file name: object tree}`` of the target's model-states files (one per rank)."""
         ck, m = self.ck, self.m
-        model0 = ck.model_states_file(Rank()).obj
+        model0 = ck.model_states_file(ck.rank(0)).obj
         frozen = [p for p in ck.parameters if not p.trainable and not p.tied_to and p.name in ck.records.index.frozen]
         out = {}
         for r in range(m):
@@ -71,16 +71,16 @@ class Zero3Resharder:
             if r != 0 and "shared_params" in model0:
                 repl["shared_params"] = type(model0["shared_params"])() if isinstance(model0["shared_params"], dict) \
                     else model0["shared_params"]
-            out[fnames.model_states_name(dp_rank=r)] = replace(model0, **repl)
+            out[fnames.model_states_name(ck.mp, dp_rank=r)] = replace(model0, **repl)
         return out
 
     def optim_states(self, rank: int) -> tuple[str, Any]:
         """``(file name, object tree)`` of target ``rank``'s optimizer-states file."""
         ck, m = self.ck, self.m
-        top = ck.optim_states_file(Rank()).obj
+        top = ck.optim_states_file(ck.rank(0)).obj
         osd0 = top["optimizer_state_dict"]
         inner = osd0["optimizer_state_dict"]
-        rg = ck.partition_tensor(Rank(), 0).requires_grad
+        rg = ck.partition_tensor(ck.rank(0), 0).requires_grad
         flats = [streamed("float32", to_ranges(ck, reslice_zero3(self.src, self.dst, rank, k), None), requires_grad=rg)
                  for k in range(len(self.dst.sub_group_sizes))]
         state = type(inner["state"])()
@@ -100,7 +100,7 @@ class Zero3Resharder:
             groups.append(replace(group, params=list(self.dst_group_subs[g])))
         new_inner = replace(inner, state=state, param_groups=groups)
         new_osd = replace(osd0, partition_count=m, fp32_flat_groups=flats, optimizer_state_dict=new_inner)
-        return (fnames.optim_states_name(rank, prefix=optim_prefix(ck)), replace(top, optimizer_state_dict=new_osd))
+        return (fnames.optim_states_name(rank, ck.mp, prefix=optim_prefix(ck)), replace(top, optimizer_state_dict=new_osd))
 
     def feeds(self, rank: int) -> list[int]:
         """The source ranks whose bytes target ``rank`` reads."""
