@@ -61,7 +61,7 @@ def describe(ckpt: Checkpoint) -> dict[str, Any]:
     }
 
 
-def _parallel_line(ckpt: Checkpoint) -> str:
+def parallel_line(ckpt: Checkpoint) -> str:
     """What parallelism the run had, in words."""
     parts = []
     if ckpt.kind == "pipeline":
@@ -95,7 +95,7 @@ def format_text(ckpt: Checkpoint) -> str:
         f"dtype       {ckpt.dtype}",
         f"world size  dp={ckpt.mesh.dp} pp={ckpt.mesh.pp} tp={ckpt.mesh.tp} ep={ckpt.mesh.ep} "
         f"sp={ckpt.sequence_parallel}",
-        f"parallel    {_parallel_line(ckpt)}",
+        f"parallel    {parallel_line(ckpt)}",
         f"DeepSpeed   {ckpt.deepspeed_version}",
     ]
     if ckpt.optimizer:

@@ -235,3 +235,25 @@ def test_broken_mesh_inputs_name_the_file(parallel_fixtures, tmp_path, case):
         for w in words:
             assert w in text, (cmd[0], w, text)
     assert not (tmp_path / "out").exists()
+
+
+# ============================================================================================ the widgets
+@only(lambda n: n in ("pp2_dp2_z1_bf16", "tp2_dp2_z1_bf16"))
+def test_the_browser_and_layout_view_show_stages_and_tensor_ranks(pfx):
+    pytest.importorskip("ipywidgets")
+    pytest.importorskip("matplotlib")
+    from ckptlib.ui import CheckpointBrowser, LayoutView
+
+    pipeline = pfx["kind"] == "pipeline"
+    b = CheckpointBrowser(pfx["checkpoint_path"])
+    assert ("pipeline, 2 stages" if pipeline else "tensor parallel, 2 tensor ranks") in b.summary.value
+    assert ("stage 1 dp 1" if pipeline else "tp 1 dp 1") in b.file_table.value
+    view = LayoutView(b.checkpoint)
+    labels = [label for label, _ in view.group.options]
+    who = "stage" if pipeline else "tensor rank"
+    assert any(lbl.startswith(f"{who} 0 · group 0") for lbl in labels)
+    assert any(lbl.startswith(f"{who} 1 · group 1") for lbl in labels)
+    name = "tied_modules.embed.weight" if pipeline else "fc2.weight"
+    view.select(name)
+    assert f"{who} 0" in view.where.value and f"{who} 1" in view.where.value  # held on both
+    assert bytes(view.figure.value).startswith(b"\x89PNG")

@@ -11,6 +11,8 @@ import zlib
 from typing import Optional
 
 import ckptlib
+from ckptlib.deepspeed.files import natural_key
+from ckptlib.summary import parallel_line
 from ckptlib.units import human_bytes
 
 from .plots import new_figure
@@ -40,15 +42,27 @@ def _message_figure(text: str, size=(6.4, 1.2)):
 
 # ============================================================================================ files
 def file_rows(ckpt: "ckptlib.Checkpoint") -> list[dict]:
-    """One row per file of the tag folder: name, kind, dp rank, bytes."""
-    return [{"file": f.path.name, "kind": f.kind, "dp_rank": f.dp_rank, "bytes": f.bytes} for f in ckpt.files]
+    """One row per file of the tag folder: name, kind, where in the mesh, bytes."""
+    return [{"file": f.path.name, "kind": f.kind, "where": _where(ckpt, f), "dp_rank": f.dp_rank, "bytes": f.bytes}
+            for f in ckpt.files]
+
+
+def _where(ckpt: "ckptlib.Checkpoint", f) -> str:
+    c = ckpt.coordinates(f)
+    return " ".join(f"{label} {c[key]}" for key, label in (("stage", "stage"), ("tp_rank", "tp"), ("dp_rank", "dp"),
+                                                            ("ep_rank", "ep"), ("layer", "layer"), ("expert", "expert"))
+                    if c[key] is not None)
 
 
 def bytes_per_rank(ckpt: "ckptlib.Checkpoint") -> dict:
-    """``{rank or "shared": {kind: bytes}}``: what each data-parallel rank's files weigh."""
+    """``{rank or "shared": {kind: bytes}}``: what each rank's files weigh (a rank named by its place in the
+    mesh, ``"stage 1 dp 0"``, when there are stages or tensor ranks)."""
     out: dict = {}
     for f in ckpt.files:
+        c = ckpt.coordinates(f)
         key = f.dp_rank if f.dp_rank is not None else "shared"
+        if len(ckpt.sets) > 1 and f.dp_rank is not None:
+            key = f"stage {c['stage']} dp {f.dp_rank}" if c["stage"] is not None else f"tp {c['tp_rank']} dp {f.dp_rank}"
         out.setdefault(key, {})
         out[key][f.kind] = out[key].get(f.kind, 0) + f.bytes
     return out
@@ -57,11 +71,12 @@ def bytes_per_rank(ckpt: "ckptlib.Checkpoint") -> dict:
 def file_sizes_figure(ckpt: "ckptlib.Checkpoint"):
     """Bar chart: bytes per data-parallel rank, stacked by file kind (shared files in their own bar)."""
     per = bytes_per_rank(ckpt)
-    keys = sorted((k for k in per if k != "shared")) + (["shared"] if "shared" in per else [])
+    keys = sorted((k for k in per if k != "shared"), key=lambda k: natural_key(str(k))) + \
+        (["shared"] if "shared" in per else [])
     kinds = sorted({k for v in per.values() for k in v}, key=lambda k: (k not in KIND_COLORS, k))
     fig = new_figure((max(3.6, 1.0 + 0.7 * len(keys)), 2.8))
     ax = fig.add_subplot(1, 1, 1)
-    labels = [f"rank {k}" if k != "shared" else "shared" for k in keys]
+    labels = [f"rank {k}" if isinstance(k, int) else k for k in keys]
     bottom = [0.0] * len(keys)
     scale, unit = _unit(max((sum(v.values()) for v in per.values()), default=1))
     for i, kind in enumerate(kinds):
@@ -90,16 +105,15 @@ def file_table_html(ckpt: "ckptlib.Checkpoint") -> str:
     """The files as an HTML table (class ``ckpt-file-table``), with a total per rank and overall."""
     rows = []
     for f in ckpt.files:
-        rank = "" if f.dp_rank is None else str(f.dp_rank)
         rows.append(f"<tr><td><code>{html.escape(f.path.name)}</code></td><td>{html.escape(f.kind)}</td>"
-                    f"<td style='text-align:right'>{rank}</td><td style='text-align:right'>{human_bytes(f.bytes)}"
+                    f"<td>{html.escape(_where(ckpt, f))}</td><td style='text-align:right'>{human_bytes(f.bytes)}"
                     f"</td></tr>")
     per = bytes_per_rank(ckpt)
-    ranks = ", ".join(f"rank {k}: {human_bytes(sum(v.values()))}" for k, v in sorted(
-        ((k, v) for k, v in per.items() if k != "shared"), key=lambda kv: kv[0]))
+    ranks = ", ".join(f"{'rank ' if isinstance(k, int) else ''}{k}: {human_bytes(sum(v.values()))}" for k, v in sorted(
+        ((k, v) for k, v in per.items() if k != "shared"), key=lambda kv: natural_key(str(kv[0]))))
     return ("<table class='ckpt-file-table' style='border-collapse:collapse'>"
             "<thead><tr><th style='text-align:left'>file</th><th style='text-align:left'>kind</th>"
-            "<th>dp rank</th><th>size</th></tr></thead><tbody>" + "".join(rows) + "</tbody>"
+            "<th>where</th><th>size</th></tr></thead><tbody>" + "".join(rows) + "</tbody>"
             f"<tfoot><tr><td colspan='3'><b>{len(ckpt.files)} files</b> ({html.escape(ranks)})</td>"
             f"<td style='text-align:right'><b>{human_bytes(ckpt.total_bytes)}</b></td></tr></tfoot></table>")
 
@@ -117,7 +131,9 @@ def summary_html(ckpt: "ckptlib.Checkpoint") -> str:
                                         " (no <code>latest</code> file)")),
         ("ZeRO stage", f"{ckpt.zero_stage}{flavor}"),
         ("dtype", str(ckpt.dtype)),
-        ("world size", f"dp={ckpt.dp_world_size} mp={ckpt.mp_world_size}"),
+        ("world size", f"dp={ckpt.mesh.dp} pp={ckpt.mesh.pp} tp={ckpt.mesh.tp} ep={ckpt.mesh.ep} "
+                       f"sp={ckpt.sequence_parallel}"),
+        ("parallel", html.escape(parallel_line(ckpt))),
         ("DeepSpeed", html.escape(str(ckpt.deepspeed_version))),
         ("optimizer", "-" if opt is None else html.escape(
             f"{opt.wrapper}; state {', '.join(opt.state_keys) or '-'}; step {opt.step}")),
@@ -166,21 +182,30 @@ def table_html(rows: list[dict], cls: str = "ckpt-table") -> str:
 
 
 # ============================================================================================ layout
+def set_label(ckpt: "ckptlib.Checkpoint", mp: int) -> str:
+    """"stage 1 · ", "tensor rank 1 · " or "" (one ZeRO set): how a panel names its set."""
+    if len(ckpt.sets) == 1:
+        return ""
+    return f"{'stage' if ckpt.kind == 'pipeline' else 'tensor rank'} {mp} · "
+
+
 def layout_panels(ckpt: "ckptlib.Checkpoint") -> list[dict]:
     """The flat tensors a layout figure can show: one panel per ZeRO-1/2 parameter group, or per
-    ZeRO-3 sub-group. Each: ``{"key", "label", "group", "length", "params"}`` (``length`` = elements
-    per rank)."""
+    ZeRO-3 sub-group, of every ZeRO set (each pipeline stage, each tensor rank). Each: ``{"key",
+    "label", "group", "length", "params", "set"}`` (``length`` = elements per rank)."""
     panels = []
-    for lay in ckpt.layouts:
-        if hasattr(lay, "sub_group_sizes"):  # ZeRO-3
-            for k, size in enumerate(lay.sub_group_sizes):
-                names = [s.name for s in lay.slots if s.sub_group == k]
-                panels.append({"key": k, "label": f"sub-group {k}", "group": k, "length": size, "params": names,
-                               "layout": lay, "zero3": True})
-        else:
-            panels.append({"key": lay.group, "label": f"group {lay.group}", "group": lay.group,
-                           "length": lay.partition_size, "params": [s.name for s in lay.slots], "layout": lay,
-                           "zero3": False})
+    for mp, zs in ckpt.sets.items():
+        prefix = set_label(ckpt, mp)
+        for lay in zs.layouts:
+            if hasattr(lay, "sub_group_sizes"):  # ZeRO-3
+                for k, size in enumerate(lay.sub_group_sizes):
+                    names = [s.name for s in lay.slots if s.sub_group == k]
+                    panels.append({"key": (mp, k), "label": f"{prefix}sub-group {k}", "group": k, "length": size,
+                                   "params": names, "layout": lay, "zero3": True, "set": mp})
+            else:
+                panels.append({"key": (mp, lay.group), "label": f"{prefix}group {lay.group}", "group": lay.group,
+                               "length": lay.partition_size, "params": [s.name for s in lay.slots], "layout": lay,
+                               "zero3": False, "set": mp})
     return panels
 
 
@@ -263,8 +288,7 @@ def layout_figure(ckpt: "ckptlib.Checkpoint", panels: Optional[list[int]] = None
         ax.set_xlim(0, length)
         ax.set_ylim(-0.6, n - 0.4)
         ax.tick_params(axis="x", labelsize=7)
-        what = "sub-group" if zero3 else "group"
-        ax.set_title(f"{what} {panel['group']}: {len(panel['params'])} parameters, {panel['length']:,} elements "
+        ax.set_title(f"{panel['label']}: {len(panel['params'])} parameters, {panel['length']:,} elements "
                      f"per rank", fontsize=9, loc="left")
         if row == len(chosen) - 1:
             ax.set_xlabel("element offset in the rank's flat fp32 tensor", fontsize=8)
@@ -292,15 +316,22 @@ def where_is(ckpt: "ckptlib.Checkpoint", name: str) -> list[dict]:
     the value is stored instead."""
     p = ckpt.param(name)
     owner = ckpt.param(p.tied_to) if p.tied_to else p
-    files = {f.dp_rank: f.path.name for f in ckpt.files if f.kind == "optim_states"}
-    pieces = ckpt.pieces(owner.name)
-    if not pieces:
+    what = "sub-group" if ckpt.zero_stage == 3 else "group"
+    rows = []
+    for mp, zs in ckpt.sets.items():  # every set that holds it: its stage(s), or every tensor rank's shard
+        if owner.name not in {q.name for q in zs.parameters}:
+            continue
+        files = {f.dp_rank: f.path.name for f in zs.files if f.kind == "optim_states"}
+        where = {"set": set_label(ckpt, mp).rstrip(" ·")} if len(ckpt.sets) > 1 else {}
+        for pc in zs.pieces(owner.name):
+            rows.append({**where, "rank": pc.rank, "file": files.get(pc.rank, "?"), what: pc.group,
+                         "offset": pc.rank_start, "elements": f"{pc.param_start}..{pc.param_start + pc.count}",
+                         "count": pc.count})
+    if not rows:
         where = "the model-states file(s)" if not owner.trainable else "the model-states file (stage 0)"
         return [{"rank": "all", "file": where, "group": "-", "offset": "-", "elements": f"0..{owner.numel}",
                  "count": owner.numel}]
-    what = "sub-group" if ckpt.zero_stage == 3 else "group"
-    return [{"rank": pc.rank, "file": files.get(pc.rank, "?"), what: pc.group, "offset": pc.rank_start,
-             "elements": f"{pc.param_start}..{pc.param_start + pc.count}", "count": pc.count} for pc in pieces]
+    return rows
 
 
 def where_html(ckpt: "ckptlib.Checkpoint", name: str) -> str:

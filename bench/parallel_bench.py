@@ -1,0 +1,110 @@
+"""Benchmark exporting a pipeline- or tensor-parallel checkpoint: `ckpt export` (and `ckpt reshard --universal`)
+beside DeepSpeed's `ds_to_universal`, the only DeepSpeed tool that reads these, in one run.
+
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node 2 bench/make_parallel_checkpoint.py \\
+        --out .bench-work/pp2_dp1_bf16 --dim 1024 --hidden 4096 --layers 28 --vocab 32000
+    python bench/parallel_bench.py .bench-work/pp2_dp1_bf16 --rounds 1
+
+Each tool runs in its own process tree (ds_to_universal uses worker processes: memory is summed over
+the tree), the page cache dropped before each run; memory is also given over each tool's import
+baseline. ckptlib's export is checked against ds_to_universal's fp32 files for a few tensors.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from procmon import drop_caches, medians, run  # noqa: E402
+
+PY = sys.executable
+MIB = 2**20
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("checkpoints", nargs="+", type=Path)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--work", type=Path, default=None)
+    args = ap.parse_args()
+    own_work = args.work is None  # a temporary folder of ours: removed at the end (outputs are GBs)
+    work = args.work or Path(tempfile.mkdtemp(prefix="ckptlib-pbench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    base_ck = run([PY, "-c", "import ckptlib.cli, ckptlib.export, ckptlib.execute, tqdm; import time; "
+                   "time.sleep(0.5)"]).peak_anon
+    base_ds = run([PY, "-c", "import torch, deepspeed, deepspeed.checkpoint.ds_to_universal; import time; "
+                   "time.sleep(0.5)"]).peak_anon
+    print(f"import baselines (RssAnon): ckptlib {base_ck / MIB:.0f} MiB, DeepSpeed {base_ds / MIB:.0f} MiB; page "
+          f"cache dropped before each run: {drop_caches()}")
+    rows = []
+    for ckpt in args.checkpoints:
+        tag = (ckpt / "latest").read_text().strip()
+        tools = {"ds_to_universal": "ds", "ckpt export": "export", "ckpt reshard --universal": "universal"}
+        res = {t: [] for t in tools}
+        for r in range(args.rounds):
+            for tool, kind in tools.items():
+                out = work / f"{ckpt.name}-{kind}"
+                shutil.rmtree(out, ignore_errors=True)
+                out.mkdir()
+                drop_caches()
+                if kind == "ds":
+                    cmd = [PY, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(ckpt / tag),
+                           "--output_folder", str(out / f"{tag}_universal")]
+                elif kind == "export":
+                    cmd = [PY, "-m", "ckptlib", "export", str(ckpt), str(out / "x"), "-q"]
+                else:
+                    cmd = [PY, "-m", "ckptlib", "reshard", str(ckpt), str(out / "x"), "--universal", "-q"]
+                st = run(cmd, env=dict(os.environ, DS_ACCELERATOR="cpu"), tree=True, watch_dir=str(out),
+                         interval=0.01)
+                if st.returncode != 0:
+                    print(st.stderr[-3000:], file=sys.stderr)
+                    raise SystemExit(f"{tool} failed on {ckpt}")
+                res[tool].append(st)
+                print(f"  {ckpt.name} round {r + 1} {tool}: {st.wall:.1f} s, anon {st.peak_anon / MIB:.0f} MiB, "
+                      f"disk peak {st.peak_disk / MIB:.0f} MiB final {st.final_disk / MIB:.0f} MiB", flush=True)
+        verdict = _same(work / f"{ckpt.name}-ds" / f"{tag}_universal", work / f"{ckpt.name}-export" / "x")
+        rows.append((ckpt.name, medians(res, ("wall", "peak_anon", "peak_disk", "final_disk")), verdict))
+    print()
+    print("| checkpoint | tool | wall time | peak RssAnon (process tree) | over import baseline | temporary disk |")
+    print("|---|---|---|---|---|---|")
+    for name, med, verdict in rows:
+        ds = med["ds_to_universal"]
+        for tool, m in med.items():
+            b = base_ds if tool == "ds_to_universal" else base_ck
+            ratio = (lambda a, b: "" if tool == "ds_to_universal" or b <= 0 else f" ({a / b:.2f}x)")  # noqa: E731
+            print(f"| {name} | {tool} | {m['wall']:.1f} s{ratio(m['wall'], ds['wall'])} | "
+                  f"{m['peak_anon'] / MIB:.0f} MiB{ratio(m['peak_anon'], ds['peak_anon'])} | "
+                  f"{(m['peak_anon'] - b) / MIB:.0f} MiB{ratio(m['peak_anon'] - b, ds['peak_anon'] - base_ds)} | "
+                  f"{(m['peak_disk'] - m['final_disk']) / MIB:.0f} MiB |")
+        print(f"| {name} | ckpt export vs ds_to_universal fp32 | {verdict} | | | |")
+    if own_work:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def _same(universal: Path, export: Path) -> str:
+    """Every fp32 master of ds_to_universal's output against ckptlib's export, bit for bit."""
+    import torch
+    from safetensors import safe_open
+
+    files = sorted(export.glob("model*.safetensors"))
+    names, bad = 0, []
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                p = universal / "zero" / k / "fp32.pt"
+                if not p.is_file():
+                    continue  # buffers: ds_to_universal writes none for a pipeline (its module is None)
+                theirs = torch.load(p, weights_only=False)["param"]
+                names += 1
+                if not torch.equal(theirs.reshape(h.get_slice(k).get_shape()), h.get_tensor(k)):
+                    bad.append(k)
+    return f"{names - len(bad)} of {names} fp32 tensors identical" + (f"; differ: {bad[:3]}" if bad else "")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
