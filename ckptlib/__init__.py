@@ -12,8 +12,8 @@ Public API::
     assert ckptlib.verify(plan).ok                            # every tensor re-read and compared
 """
 from .deepspeed import Checkpoint, open_checkpoint
-from .errors import (Cancelled, CkptError, IncompleteCheckpointError, NotACheckpointError, OutputError,
-                     UnsafeCheckpointError, UnsupportedCheckpointError)
+from .errors import (Cancelled, CkptError, IncompleteCheckpointError, NotACheckpointError, OutOfMemoryError,
+                     OutputError, UnsafeCheckpointError, UnsupportedCheckpointError)
 from .export import ExportPlan, ExportResult, export, plan_export
 from .mesh import Rank
 from .plan import Plan
@@ -32,5 +32,5 @@ __all__ = [
     "plan_universal", "write_universal", "UniversalPlan", "UniversalResult", "Plan", "run", "run_distributed",
     "RunResult", "verify", "Verification", "preflight", "Preflight",
     "CkptError", "IncompleteCheckpointError", "NotACheckpointError", "OutputError", "UnsafeCheckpointError",
-    "UnsupportedCheckpointError",
+    "UnsupportedCheckpointError", "OutOfMemoryError",
 ]

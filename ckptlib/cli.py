@@ -10,8 +10,10 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from . import __version__
 from .dtypes import OUTPUT_DTYPES
 from .errors import CkptError
+from .units import human_bytes
 
 
 TP_RULES_HELP = ("tensor-parallel checkpoints saved without universal_checkpoint_info: a JSON file with its keys "
@@ -32,16 +34,19 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _finish(args: argparse.Namespace, plan, result) -> int:
-    """Print what a run did (and, with ``--verify``, what was checked); the exit code."""
-    for note in plan.notes:
-        print(f"note: {note}", file=sys.stderr)
-    print(result.describe())
+    """Print what a run did (and, with ``--verify``, what was checked); the exit code. With ``-q`` nothing
+    is printed unless verification fails."""
+    if not args.quiet:
+        for note in plan.notes:
+            print(f"note: {note}", file=sys.stderr)
+        print(result.describe())
     if not args.verify:
         return 0
     from .verify import verify
 
     checked = verify(plan, result.out)
-    print(checked.describe())
+    if not args.quiet or not checked.ok:
+        print(checked.describe())
     return 0 if checked.ok else 1
 
 
@@ -53,7 +58,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
     states = [s for s in (args.states or "").split(",") if s]
     plan = plan_export(args.path, args.out, tag=args.tag, format=args.format, dtype=args.dtype,
                        max_shard_size=args.max_shard_size, exclude_frozen=args.exclude_frozen, states=states,
-                       workers=args.workers, overwrite=args.overwrite, tp_rules=args.tp_rules)
+                       workers=args.workers, overwrite=args.overwrite, tp_rules=args.tp_rules,
+                       hf_files=args.hf_files)
     if args.plan:
         print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.describe())
         return 0
@@ -74,12 +80,12 @@ def _cmd_reshard(args: argparse.Namespace) -> int:
 
     if args.universal:
         plan = plan_universal(args.path, args.out, tag=args.tag, overwrite=args.overwrite, workers=args.workers,
-                              tp_rules=args.tp_rules)
+                              tp_rules=args.tp_rules, hf_files=args.hf_files)
     else:
         if args.world_size is None:
             raise CkptError("--world-size is required (or --universal for a size-independent checkpoint)")
         plan = plan_reshard(args.path, args.out, args.world_size, tag=args.tag, overwrite=args.overwrite,
-                            workers=args.workers, tp_rules=args.tp_rules)
+                            workers=args.workers, tp_rules=args.tp_rules, hf_files=args.hf_files)
     if args.plan:
         print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.describe())
         return 0
@@ -87,25 +93,44 @@ def _cmd_reshard(args: argparse.Namespace) -> int:
     return _finish(args, plan, result)
 
 
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Help that shows each option's default (where it has one worth showing)."""
+
+    def _get_help_string(self, action):
+        if action.nargs == 0 or action.default in (None, argparse.SUPPRESS) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ckpt", description="Inspect and convert DeepSpeed ZeRO checkpoints.")
+    parser = argparse.ArgumentParser(prog="ckpt", description="Inspect and convert DeepSpeed ZeRO checkpoints.",
+                                     formatter_class=_Formatter)
+    parser.add_argument("--version", action="version", version=f"ckpt (ckptlib) {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("inspect", help="summarise a checkpoint (metadata only, reads almost nothing)")
+
+    def add_parser(name: str, **kw):
+        return sub.add_parser(name, formatter_class=_Formatter, **kw)
+
+    p = add_parser("inspect", help="summarise a checkpoint (metadata only, reads almost nothing)")
     p.add_argument("path", help="save dir (holds 'latest'), tag folder, or HF checkpoint-N / output folder")
     p.add_argument("--tag", help="tag to inspect (default: the one 'latest' names)")
     p.add_argument("--tp-rules", metavar="FILE", help=TP_RULES_HELP)
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=_cmd_inspect)
 
-    p = sub.add_parser("export", help="write consolidated weights (safetensors or torch, HF layout), streaming")
+    p = add_parser("export", help="write consolidated weights (safetensors or torch, HF layout), streaming")
     p.add_argument("path", help="the checkpoint (as for inspect)")
     p.add_argument("out", help="output folder (created; must be empty unless --overwrite)")
     p.add_argument("--tag", help="tag to export (default: the one 'latest' names)")
     p.add_argument("--tp-rules", metavar="FILE", help=TP_RULES_HELP)
-    p.add_argument("--format", choices=["safetensors", "torch"], default="safetensors")
+    p.add_argument("--format", choices=["safetensors", "torch"], default="safetensors",
+                   help="safetensors: model*.safetensors; torch: pytorch_model*.bin (torch.save, weights_only loads it)")
     p.add_argument("--dtype", choices=list(OUTPUT_DTYPES), default="fp32",
                    help="dtype of parameters and floating buffers (integer buffers stay exact)")
     p.add_argument("--max-shard-size", default="5GB", help="shard limit, decimal units like 5GB or 500MB")
+    p.add_argument("--no-hf-files", dest="hf_files", action="store_false",
+                   help="do not copy config.json (with the exported dtype), generation_config.json, tokenizer "
+                        "files, chat templates and remote code from beside the checkpoint")
     p.add_argument("--exclude-frozen", action="store_true", help="leave out frozen parameters")
     p.add_argument("--states", help="optimizer states to export too, comma separated, e.g. exp_avg,exp_avg_sq")
     p.add_argument("--workers", type=int, default=1, help="processes to write with")
@@ -117,15 +142,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true",
                    help="re-read the output and compare every tensor with the checkpoint, bit for bit (exit 1 if any "
                         "differs)")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="print nothing but errors (and a failed verification); the exit code says how it went")
     p.set_defaults(func=_cmd_export)
 
-    p = sub.add_parser("reshard", help="rewrite a ZeRO-1/2/3 checkpoint for another data-parallel size")
+    p = add_parser("reshard", help="rewrite a ZeRO-1/2/3 checkpoint for another data-parallel size")
     p.add_argument("path", help="the checkpoint (as for inspect)")
     p.add_argument("out", help="output folder: a DeepSpeed save dir (latest + tag folder) that loads at the new size")
     p.add_argument("--world-size", type=int, help="the new data-parallel size")
     p.add_argument("--tag", help="tag to reshard (default: the one 'latest' names)")
     p.add_argument("--tp-rules", metavar="FILE", help=TP_RULES_HELP)
+    p.add_argument("--no-hf-files", dest="hf_files", action="store_false",
+                   help="do not carry over the HF Trainer / Accelerate files (trainer_state.json, scheduler.pt, "
+                        "training_args.bin, model.safetensors, config, tokenizer, RNG states, scheduler.bin ...)")
     p.add_argument("--universal", action="store_true",
                    help="write DeepSpeed's universal checkpoint layout instead (load with load_universal at any size)")
     p.add_argument("--plan", action="store_true", help="only show which source ranks feed which target rank, "
@@ -138,8 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true",
                    help="re-open the output and compare every master, optimizer state, frozen parameter and buffer "
                         "with the source, bit for bit (exit 1 if any differs)")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="print nothing but errors (and a failed verification); the exit code says how it went")
     p.set_defaults(func=_cmd_reshard)
+
     return parser
 
 
@@ -153,6 +184,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         print(f"ckpt {args.command}: interrupted", file=sys.stderr)
         return 130
+    except (MemoryError, RuntimeError) as e:  # an allocation failed outside a run (which says more itself)
+        from .allocation import is_allocation_failure
+        from .memory import system_memory
+
+        if not is_allocation_failure(e):
+            raise
+        room = system_memory()
+        print(f"ckpt {args.command}: error: ran out of memory ({human_bytes(room.headroom)} was {room.bound_by})\n"
+              "  hint: free memory or raise the limit; `ckpt export --plan` shows what a run needs", file=sys.stderr)
+        return 2
     except BrokenPipeError:
         return 0
 

@@ -9,6 +9,7 @@ small hierarchy so callers can catch :class:`CkptError` for everything, or a spe
   - :class:`UnsupportedCheckpointError` — a real checkpoint of a kind ckptlib cannot handle (yet).
   - :class:`UnsafeCheckpointError` — a pickle asks for code ckptlib will not run.
   - :class:`OutputError` — a problem with the output location (exists, inside the source, disk full).
+  - :class:`OutOfMemoryError` — an allocation failed: how much the run needs, what was left (also a ``MemoryError``).
   - :class:`Cancelled` — the user stopped an operation; nothing was written.
 """
 from __future__ import annotations
@@ -68,6 +69,13 @@ class OutputError(CkptError, OSError):
     """The output location cannot be used (not empty, inside the source, not writable, disk full)."""
 
     default_hint = "choose another output folder"
+
+
+class OutOfMemoryError(CkptError, MemoryError):
+    """Memory ran out: the message says how much the plan needs and how much was left, and under which limit."""
+
+    default_hint = ("free memory or raise the limit; with --workers 1 a run needs the least (the plan's "
+                    "predicted peak memory, shown by --plan); nothing was written")
 
 
 class Cancelled(CkptError):

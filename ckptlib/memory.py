@@ -56,19 +56,42 @@ class SystemMemory:
 
     ``available`` is the kernel's estimate of what can be allocated without swapping
     (``MemAvailable``). ``cgroup_limit``/``cgroup_usage`` are the container's limit and use (None
-    when there is no limit). :attr:`headroom` is what a run can still use: the smaller of the two.
+    when there is no limit); ``data_limit``/``data_used`` and ``address_limit``/``address_used`` this
+    process's ``ulimit -d`` (``RLIMIT_DATA``, against ``VmData``) and ``ulimit -v`` (``RLIMIT_AS``,
+    against ``VmSize``). :attr:`headroom` is what a run can still use: the smallest of them;
+    :attr:`bound_by` says which one that is.
     """
 
     total: int
     available: int
     cgroup_limit: Optional[int] = None
     cgroup_usage: Optional[int] = None
+    data_limit: Optional[int] = None
+    data_used: Optional[int] = None
+    address_limit: Optional[int] = None
+    address_used: Optional[int] = None
+
+    def _rooms(self) -> list[tuple[int, str]]:
+        rooms = [(self.available, "available on the machine")]
+        if self.cgroup_limit is not None:
+            rooms.append((self.cgroup_limit - (self.cgroup_usage or 0),
+                          f"left under the cgroup limit of {human_bytes(self.cgroup_limit)}"))
+        if self.data_limit is not None:
+            rooms.append((self.data_limit - (self.data_used or 0),
+                          f"left under the data-segment limit (ulimit -d) of {human_bytes(self.data_limit)}"))
+        if self.address_limit is not None:
+            rooms.append((self.address_limit - (self.address_used or 0),
+                          f"left under the address-space limit (ulimit -v) of {human_bytes(self.address_limit)}"))
+        return rooms
 
     @property
     def headroom(self) -> int:
-        if self.cgroup_limit is None:
-            return self.available
-        return max(0, min(self.available, self.cgroup_limit - (self.cgroup_usage or 0)))
+        return max(0, min(room for room, _ in self._rooms()))
+
+    @property
+    def bound_by(self) -> str:
+        """``"left under the data-segment limit (ulimit -d) of 268.4 MB"``: what limits :attr:`headroom`."""
+        return min(self._rooms())[1]
 
 
 def _read_status(path: Path = PROC_STATUS) -> Optional[dict]:
@@ -143,7 +166,24 @@ def system_memory() -> SystemMemory:
     if total is None:
         total = available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     limit, usage = cgroup_memory()
-    return SystemMemory(total=int(total), available=int(available), cgroup_limit=limit, cgroup_usage=usage)
+    data_limit, address_limit = process_limits()
+    status = _read_status() or {}
+    return SystemMemory(total=int(total), available=int(available), cgroup_limit=limit, cgroup_usage=usage,
+                        data_limit=data_limit, data_used=status.get("VmData") if data_limit else None,
+                        address_limit=address_limit, address_used=status.get("VmSize") if address_limit else None)
+
+
+def process_limits() -> tuple[Optional[int], Optional[int]]:
+    """``(ulimit -d, ulimit -v)`` of this process in bytes (soft limits; None when unlimited)."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not on POSIX
+        return None, None
+    out = []
+    for which in (resource.RLIMIT_DATA, resource.RLIMIT_AS):
+        soft = resource.getrlimit(which)[0]
+        out.append(None if soft == resource.RLIM_INFINITY or soft < 0 else int(soft))
+    return out[0], out[1]
 
 
 # ============================================================================================ sampling
@@ -355,8 +395,7 @@ def memory_verdict(predicted: Union[int, Any], system: Optional[SystemMemory] = 
         predicted = int(getattr(predicted, "predicted_peak_bytes"))
     system = system or system_memory()
     room = system.headroom
-    where = "available" if system.cgroup_limit is None else \
-        f"available (cgroup limit {human_bytes(system.cgroup_limit)})"
+    where = system.bound_by
     if predicted > room:
         level, fits = "no", False
         msg = (f"does NOT fit: the run needs about {human_bytes(predicted)}, only {human_bytes(room)} is {where}; "
@@ -372,4 +411,5 @@ def memory_verdict(predicted: Union[int, Any], system: Optional[SystemMemory] = 
 
 
 __all__ = ["ProcessMemory", "SystemMemory", "Sample", "MemorySampler", "MemoryReport", "MemoryWatch",
-           "MemoryVerdict", "process_memory", "system_memory", "cgroup_memory", "watch_memory", "memory_verdict"]
+           "MemoryVerdict", "process_memory", "system_memory", "cgroup_memory", "watch_memory", "memory_verdict",
+           "process_limits"]

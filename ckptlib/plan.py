@@ -51,6 +51,7 @@ class SourceRef:
         return self.partition_count or self.dp_world_size
 
 
+
 @dataclass
 class PlannedTensor:
     """One output tensor of an export and where its bytes come from (``ranges``, see :mod:`ckptlib.ranges`)."""
@@ -79,13 +80,15 @@ class PlannedTensor:
 @dataclass
 class WeightsFile:
     """A safetensors or torch file holding ``tensors`` in this order (``metadata``: safetensors' header
-    ``__metadata__``)."""
+    ``__metadata__``; ``size``: the file's exact size, header and framing included, when the planner
+    computed it)."""
 
     name: str
     format: str               # "safetensors" or "torch"
     tensors: list
     metadata: dict = field(default_factory=dict)
     kind: str = "weights"
+    size: Optional[int] = None
 
     @property
     def nbytes(self) -> int:
@@ -101,7 +104,9 @@ class WeightsFile:
 @dataclass
 class TreeFile:
     """A torch file written from the object tree ``obj`` (``kind`` says what it is for the user;
-    ``rank`` and ``source_ranks``: the target rank it is for, and the source ranks whose bytes it reads)."""
+    ``rank`` and ``source_ranks``: the target rank it is for, and the source ranks whose bytes it reads;
+    ``write_bytes``: the tensor bytes streamed into it; ``size``: the file's exact size, pickle and zip
+    framing included)."""
 
     name: str
     kind: str
@@ -110,6 +115,7 @@ class TreeFile:
     write_bytes: int = 0
     rank: Optional[int] = None
     source_ranks: list = field(default_factory=list)
+    size: Optional[int] = None
 
 
 @dataclass
@@ -128,6 +134,10 @@ class CopyFile:
     def read_bytes(self) -> int:
         return self.write_bytes
 
+    @property
+    def size(self) -> int:
+        return self.write_bytes
+
 
 @dataclass
 class TextFile:
@@ -136,6 +146,10 @@ class TextFile:
     name: str
     text: str
     kind: str = "text"
+
+    @property
+    def size(self) -> int:
+        return len(self.text.encode())
 
 
 @dataclass
@@ -182,6 +196,13 @@ class Plan:
         return sum(f.write_bytes for f in self.files)
 
     @property
+    def file_bytes(self) -> int:
+        """The exact size of everything the run writes, every file's headers and framing and the text
+        finals included (a file whose size the planner did not compute counts its tensor bytes)."""
+        return sum(f.size if f.size is not None else f.write_bytes for f in self.files) + \
+            sum(f.size for f in self.finals)
+
+    @property
     def predicted_peak_bytes(self) -> int:
         """Anonymous memory a run adds to each process that writes: each writing thread's streaming
         buffers plus a fixed allowance (with processes, per process), whatever the model size."""
@@ -191,10 +212,22 @@ class Plan:
         """The lines every plan's description shares: what is read and written, and the memory."""
         who = (f"{self.workers} writing thread(s), 3 streaming buffers each" if self.parallel == THREADS
                else f"per process; {self.workers} process(es), 3 streaming buffers each")
-        return [f"reads {human_bytes(self.read_bytes)} of {human_bytes(self.source.total_bytes)}; writes "
-                f"{human_bytes(self.write_bytes)} in {len(self.files) + len(self.finals)} files",
+        return [f"{self.reads_text()}; {self.writes_text()}",
                 f"predicted peak memory: {human_bytes(self.predicted_peak_bytes)} ({who}, "
                 f"{human_bytes(self.chunk_bytes)} chunks; independent of the model size)"]
+
+    def reads_text(self) -> str:
+        """``"reads 3.1 MB of the 3.1 MB in the tag folder global_step4 (+ 530 KB of other files copied as
+        they are)"``: what a run reads, from where."""
+        tag_dir = self.source.tag_dir.rstrip("/") + "/"
+        outside = sum(f.size for f in self.files if isinstance(f, CopyFile) and not f.source.startswith(tag_dir))
+        text = (f"reads {human_bytes(self.read_bytes - outside)} of the {human_bytes(self.source.total_bytes)} in "
+                f"the tag folder {self.source.tag}")
+        return text + (f" (+ {human_bytes(outside)} of other files copied as they are)" if outside else "")
+
+    def writes_text(self) -> str:
+        n = len(self.files) + len(self.finals)
+        return f"writes {human_bytes(self.file_bytes)} in {n} file{'s' if n != 1 else ''}"
 
     def describe(self) -> str:
         return "\n".join([f"{self.action} {self.source.tag_dir} -> {self.out}", *self.summary_lines()])

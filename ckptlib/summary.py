@@ -4,9 +4,11 @@ Both are built from metadata only (no tensor bytes beyond what opening the check
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from .deepspeed import Checkpoint
+from .deepspeed.discovery import repair_hint
 from .units import human_bytes
 
 
@@ -88,7 +90,8 @@ def format_text(ckpt: Checkpoint) -> str:
     if len(loc.tags) > 1:
         lines.append(f"tags        {', '.join(loc.tags)}")
     if loc.checkpoints:
-        lines.append(f"checkpoints {len(loc.checkpoints)} checkpoint-N folders, newest used")
+        lines.append(f"checkpoints {len(loc.checkpoints)} checkpoint folders; using {loc.save_dir.name}"
+                     + (" (the newest)" if os.fspath(loc.save_dir) == loc.checkpoints[-1] else ""))
     flavor = {"zero": "", "bf16_optimizer": " (BF16_Optimizer)", "no_zero": " (no ZeRO partitioning)"}[ckpt.flavor]
     lines += [
         f"ZeRO stage  {ckpt.zero_stage}{flavor}",
@@ -140,6 +143,7 @@ def format_text(ckpt: Checkpoint) -> str:
     if ckpt.problems:
         lines.append(f"PROBLEMS ({len(ckpt.problems)}):")
         lines += [f"  - {p}" for p in ckpt.problems]
+        lines.append(f"hint: {repair_hint(ckpt.location)}")
     else:
         lines.append("problems: none found")
     lines.append(f"(read {human_bytes(ckpt.stats.bytes_read)} of {human_bytes(ckpt.total_bytes)} to learn this)")

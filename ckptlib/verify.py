@@ -12,6 +12,7 @@ Memory: two chunks of ``chunk_bytes`` at a time, whatever the tensor sizes.
 """
 from __future__ import annotations
 
+import filecmp
 import json
 import os
 import shutil
@@ -23,7 +24,7 @@ from .deepspeed import Checkpoint, open_checkpoint
 from .dtypes import itemsize
 from .errors import CkptError
 from .memory import MemoryVerdict, memory_verdict
-from .plan import Plan
+from .plan import CopyFile, Plan, TextFile
 from .progress import check_cancel
 from .ranges import numel, slice_ranges
 from .sources import SourceFiles
@@ -106,6 +107,21 @@ def _handle_ranges(obj, what: str) -> list:
     return obj.ranges()
 
 
+def _copies(plan: Plan, out: Path) -> list[Check]:
+    """The files copied as they are (converter scripts, the client's files) equal their sources, and the
+    written text files (``config.json`` with the exported dtype, ``latest``, indexes) say what was planned."""
+    copies = [f for f in plan.files if isinstance(f, CopyFile)]
+    checks = []
+    if copies:
+        bad = [f.name for f in copies if not (out / f.name).is_file() or not filecmp.cmp(f.source, out / f.name,
+                                                                                           shallow=False)]
+        checks.append(_tally("every copied file equals its source, byte for byte", len(copies), bad))
+    texts = [f for f in plan.finals if isinstance(f, TextFile)]
+    bad = [f.name for f in texts if not (out / f.name).is_file() or (out / f.name).read_text() != f.text]
+    checks.append(_tally("every written text file (latest, index, config) holds the planned text", len(texts), bad))
+    return checks
+
+
 # ============================================================================================ export
 def _output_tensors(path: Path, fmt: str) -> dict:
     """``{name: (dtype, shape, ranges)}`` of an exported file, from its header or pickle (no tensor data)."""
@@ -128,7 +144,7 @@ def _verify_export(plan, src: Checkpoint, out: Path, cmp: _Comparer) -> list[Che
     if missing:
         return checks
     found, bad_names = {}, []
-    for f in plan.files:
+    for f in plan.weights:
         try:
             tensors = _output_tensors(out / f.name, f.format)
         except (CkptError, ValueError) as e:
@@ -138,15 +154,15 @@ def _verify_export(plan, src: Checkpoint, out: Path, cmp: _Comparer) -> list[Che
         if {k: v[:2] for k, v in tensors.items()} != want:
             bad_names.append(f.name)
         found.update({(f.name, k): v for k, v in tensors.items()})
-    checks.append(_tally("each file holds exactly the planned tensors (names, dtypes, shapes)", len(plan.files),
+    checks.append(_tally("each file holds exactly the planned tensors (names, dtypes, shapes)", len(plan.weights),
                          bad_names))
     for index, names in plan.index_files.items():
         with open(out / index) as fh:
             weight_map = json.load(fh).get("weight_map", {})
-        want = {t.name: Path(f.name).name for f in plan.files if f.name in names for t in f.tensors}
+        want = {t.name: Path(f.name).name for f in plan.weights if f.name in names for t in f.tensors}
         checks.append(Check(f"{index} maps every tensor to its shard", weight_map == want, f"{len(want)} tensors"))
     bad = []
-    for f in plan.files:
+    for f in plan.weights:
         for t in f.tensors:
             got = found.get((f.name, t.name))
             if got is None or not cmp.equal(src.sources(t.source, t.key), got[2], t.dtype):
@@ -242,7 +258,7 @@ def verify(plan: Plan, out: Optional[os.PathLike] = None, *, chunk_bytes: int = 
     cmp = _Comparer(chunk_bytes, progress, cancel)
     try:
         with open_checkpoint(plan.source.save_dir, tag=plan.source.tag, tp_rules=plan.source.tp_rules) as src:
-            result.checks = do(plan, src, out, cmp)
+            result.checks = do(plan, src, out, cmp) + _copies(plan, out)
     finally:
         result.bytes_compared = cmp.compared
         cmp.close()
@@ -291,7 +307,7 @@ class Preflight:
 
 def preflight(plan: Plan) -> Preflight:
     """The memory and disk verdicts of ``plan`` on this machine (before running it)."""
-    return Preflight(memory=memory_verdict(plan.predicted_peak_bytes), disk_needed=plan.write_bytes,
+    return Preflight(memory=memory_verdict(plan.predicted_peak_bytes), disk_needed=plan.file_bytes,
                      disk_free=free_disk(plan.out))
 
 

@@ -66,14 +66,15 @@ def case_random_bytes(fx, d):
 
 
 def case_missing_rank_file(fx, d):
-    optim(d / "global_step2", 2).unlink()
-    return d, ["missing optimizer-state files for dp rank(s) 2"]
+    victim = optim(d / "global_step2", 2)
+    victim.unlink()
+    return d, [f"missing {victim.name}", "dp rank(s) 2"]
 
 
 def case_extra_rank_file_from_another_run(fx, d, other=None):
     src = other["checkpoint_path"] / "global_step2"
     shutil.copy(optim(src, 3), d / "global_step2")
-    return d, ["extra optimizer-state files for dp rank(s) 3"]
+    return d, [f"extra {optim(src, 3).name}", "dp rank(s) 3", "move it out of the tag folder"]
 
 
 def case_latest_names_a_missing_tag(fx, d):

@@ -143,8 +143,10 @@ def test_plan_reads_metadata_only_and_predicts(fixture_by_name, tmp_path):
         assert "predicted peak memory" in plan.describe()
         assert not (tmp_path / "out").exists()
         res = export(plan)
-        assert res.bytes_written == plan.write_bytes
-        assert sum(os.path.getsize(tmp_path / "out" / f) for f, _ in res.files) > plan.write_bytes
+        # the plan's sizes are the files' exact sizes on disk (headers and index included)
+        assert res.bytes_written == plan.file_bytes > plan.write_bytes
+        assert all(os.path.getsize(tmp_path / "out" / f) == n for f, n in res.files)
+        assert sum(os.path.getsize(p) for p in (tmp_path / "out").rglob("*") if p.is_file()) == plan.file_bytes
 
 
 def test_workers_and_torchrun_give_the_same_bytes(fixture_by_name, tmp_path):

@@ -30,7 +30,7 @@ def test_missing_rank_file(fixture_by_name, tmp_path, name):
     r = _inspect(ckpt)
     assert r.returncode == 1
     problems = json.loads(r.stdout)["problems"]
-    assert any("missing optimizer-state files for dp rank(s) 1" in p for p in problems), problems
+    assert any(f"missing {victim.name} (optimizer-state file of dp rank(s) 1" in p for p in problems), problems
     with ckptlib.open_checkpoint(ckpt) as ck, pytest.raises(ckptlib.IncompleteCheckpointError, match="problems"):
         ck.read_param("embed.weight")
 
@@ -39,9 +39,11 @@ def test_extra_rank_file_from_another_run(fixture_by_name, tmp_path):
     fx = fixture_by_name("z2_bf16_w2")
     ckpt, tag = _copy(fx, tmp_path)
     other = fixture_by_name("z2_bf16_w3")["checkpoint_path"] / "global_step2"
-    shutil.copy(next(other.glob("*zero_pp_rank_2_*optim_states.pt")), tag)
+    extra = next(other.glob("*zero_pp_rank_2_*optim_states.pt"))
+    shutil.copy(extra, tag)
     problems = json.loads(_inspect(ckpt).stdout)["problems"]
-    assert any("extra optimizer-state files for dp rank(s) 2" in p for p in problems), problems
+    assert any(f"extra {extra.name} (optimizer-state file of dp rank(s) 2)" in p for p in problems), problems
+    assert not any("rank 2 group" in p for p in problems), problems  # no follow-on noise about the extra rank
 
 
 def test_rank_file_of_another_world_size(fixture_by_name, tmp_path):

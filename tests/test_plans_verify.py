@@ -109,7 +109,7 @@ def test_cli_verify_works_without_ipywidgets_and_matplotlib(fixture_by_name, tmp
             "universal": ["reshard", src, str(tmp_path / "o"), "--universal"]}[command]
     code = BLOCK_UI + textwrap.dedent(f"""
         from ckptlib.cli import main
-        rc = main({args + ["--verify", "-q"]!r})
+        rc = main({args + ["--verify"]!r})
         assert not any(m.split(".")[0] in ("ipywidgets", "matplotlib") for m in sys.modules), "UI imported"
         sys.exit(rc)
     """)
@@ -154,6 +154,6 @@ def test_refused_layouts_are_unsupported_and_broken_ones_incomplete(fixture_by_n
     broken = tmp_path / "broken"
     shutil.copytree(src, broken)
     (broken / "global_step2" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
-    with pytest.raises(ckptlib.IncompleteCheckpointError, match="missing optimizer-state files"):
+    with pytest.raises(ckptlib.IncompleteCheckpointError, match="missing bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"):
         ckptlib.plan_reshard(broken, tmp_path / "o", 2)
     assert not (tmp_path / "o").exists()

@@ -81,7 +81,7 @@ def test_a_hand_made_plan_runs_in_threads_and_processes(tmp_path, workers, paral
     check_output(plan.out, ref)
     assert isinstance(result, ckptlib.RunResult) and result.memory is not None and result.memory.samples >= 2
     assert [n for n, _ in result.files] == [f.name for f in plan.files] + ["latest"]
-    assert result.bytes_written == plan.write_bytes and seen[-1] == (plan.write_bytes, plan.write_bytes)
+    assert result.bytes_written == plan.file_bytes and seen[-1] == (plan.write_bytes, plan.write_bytes)
     assert result.bytes_read >= 3000 * 4 + 40 * 30 * 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
 

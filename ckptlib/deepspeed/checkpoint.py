@@ -21,7 +21,7 @@ from ..ranges import StoredRange
 from ..sources import SourceFiles, stamp
 from ..streaming import read_ranges
 from ..torchzip import TensorHandle, TorchFile
-from .discovery import Location, locate
+from .discovery import Location, locate, repair_hint
 from .fileset import OpenedFiles
 from .join import PIPELINE, RULES_HINT, join
 from .model import ModelView
@@ -64,6 +64,10 @@ class Checkpoint:
         self._reader = SourceFiles(self._files.stats)
         try:
             joined = join(self._files, self.notes, self.problems, tp_rules)
+        except IncompleteCheckpointError as e:
+            self.close()
+            e.hint = repair_hint(location)
+            raise
         except BaseException:
             self.close()
             raise
@@ -170,7 +174,7 @@ class Checkpoint:
         if self.problems:
             raise IncompleteCheckpointError(
                 "cannot read values from this checkpoint: " + "; ".join(self.problems), path=self.location.tag_dir,
-                hint="`ckpt inspect` lists the problems; use another tag (--tag) or restore the files named")
+                hint=repair_hint(self.location))
 
     # ================================================================== the full model
     def sources(self, name: str, key: Optional[str] = None) -> list[StoredRange]:

@@ -5,8 +5,11 @@ Accepted paths:
 - a *save dir*: the folder given to ``engine.save_checkpoint`` (holds ``latest`` and tag folders);
   this is also what Accelerate writes and what an HF Trainer ``checkpoint-N/`` folder is;
 - a *tag folder* (holds ``*_model_states.pt``);
-- a training *output* folder holding several ``checkpoint-N`` folders: they are listed and the newest
-  (largest N) is used.
+- a training *output* folder holding several HF Trainer ``checkpoint-N`` (or Accelerate ``checkpoint_N``)
+  folders, or an Accelerate project folder (``checkpoints/checkpoint_N``): they are listed and the newest
+  (largest N) holding DeepSpeed files is used.
+
+When a checkpoint is damaged, :func:`repair_hint` names the older checkpoint folder or the other tag to use.
 """
 from __future__ import annotations
 
@@ -19,7 +22,8 @@ from typing import Optional
 from ..errors import NotACheckpointError
 from .files import MODEL_STATES, OPTIM_STATES, classify, natural_key
 
-_HF_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+_HF_CHECKPOINT = re.compile(r"^checkpoint[-_](\d+)$")  # HF Trainer checkpoint-N, Accelerate checkpoint_N
+_HF_WEIGHTS = re.compile(r"^(model|pytorch_model|adapter_model)(-\d+-of-\d+)?\.(safetensors|bin)$")
 
 
 @dataclass
@@ -75,11 +79,57 @@ def list_tags(save_dir: Path) -> list[str]:
 
 
 def list_hf_checkpoints(folder: Path) -> list[Path]:
+    """The ``checkpoint-N`` (HF Trainer) and ``checkpoint_N`` (Accelerate) folders in ``folder``, oldest
+    first by N; for an Accelerate project folder, those in its ``checkpoints/``."""
     try:
         found = [p for p in folder.iterdir() if p.is_dir() and _HF_CHECKPOINT.match(p.name)]
     except OSError:
         return []
+    if not found and (folder / "checkpoints").is_dir():
+        return list_hf_checkpoints(folder / "checkpoints")
     return sorted(found, key=lambda p: int(_HF_CHECKPOINT.match(p.name).group(1)))
+
+
+def _contents(folder: Path, limit: int = 6) -> str:
+    try:
+        names = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir())
+    except OSError:
+        return "nothing readable"
+    if not names:
+        return "nothing"
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _hf_weights(folder: Path) -> list[str]:
+    try:
+        return sorted(p.name for p in folder.iterdir() if p.is_file() and _HF_WEIGHTS.match(p.name))
+    except OSError:
+        return []
+
+
+def older_checkpoints(save_dir: Path) -> list[Path]:
+    """The ``checkpoint-N`` / ``checkpoint_N`` folders beside ``save_dir`` with a smaller N that hold a
+    DeepSpeed checkpoint, newest first."""
+    m = _HF_CHECKPOINT.match(save_dir.name)
+    if not m:
+        return []
+    n = int(m.group(1))
+    return [c for c in reversed(list_hf_checkpoints(save_dir.parent))
+            if int(_HF_CHECKPOINT.match(c.name).group(1)) < n and list_tags(c)]
+
+
+def repair_hint(location: "Location") -> str:
+    """What to do about a damaged checkpoint: restore the files, or use the older checkpoint folder or
+    another tag found beside it (named)."""
+    older = older_checkpoints(location.save_dir)
+    others = [t for t in location.tags if t != location.tag]
+    if older:
+        alt = f"or use the older checkpoint {older[0]}"
+    elif others:
+        alt = f"or use another tag: --tag {others[-1]}" + (f" (tags here: {', '.join(others)})" if len(others) > 1 else "")
+    else:
+        alt = "(there is no older checkpoint or other tag beside it)"
+    return f"restore the files named from a copy, {alt}; `ckpt inspect` lists all problems"
 
 
 @dataclass
@@ -117,6 +167,34 @@ def detect(path: str | os.PathLike) -> Detected:
     return Detected(path, "folder")
 
 
+def _not_a_checkpoint(given: Path, checkpoints: list[Path]) -> NotACheckpointError:
+    """The error for a folder without DeepSpeed files, saying what it does hold."""
+    if checkpoints:
+        newest = checkpoints[-1]
+        weights = _hf_weights(newest)
+        what = (f"{newest.name} holds only Hugging Face weights ({', '.join(weights)}) and client files: saved "
+                "without DeepSpeed's state (e.g. save_only_model=True)" if weights else
+                f"{newest.name} holds {_contents(newest)}")
+        return NotACheckpointError(
+            f"none of the {len(checkpoints)} checkpoint folders here holds a DeepSpeed checkpoint (no 'latest', no "
+            f"global_step* folder): {what}", path=given,
+            hint="a folder with only model.safetensors already opens with from_pretrained; to convert DeepSpeed's "
+                 "state, point at a checkpoint saved with it")
+    weights = _hf_weights(given)
+    if weights:
+        older = older_checkpoints(given)
+        return NotACheckpointError(
+            f"this folder holds Hugging Face weights ({', '.join(weights)}) but no DeepSpeed checkpoint (no "
+            "'latest', no global_step* folder): it was saved without DeepSpeed's state (e.g. save_only_model=True)",
+            path=given, hint=(f"the older checkpoint {older[0]} has DeepSpeed's state; " if older else "")
+            + "from_pretrained opens this folder as it is")
+    return NotACheckpointError(
+        f"no DeepSpeed checkpoint here: no 'latest' file, no tag folder with *_model_states.pt files, no "
+        f"checkpoint-N or checkpoint_N folders (it holds {_contents(given)})", path=given,
+        hint="point at the folder given to engine.save_checkpoint (it holds 'latest'), at a tag folder such as "
+             "global_step100, or at an HF Trainer output folder / Accelerate project or checkpoints folder")
+
+
 def locate(path: str | os.PathLike, tag: Optional[str] = None) -> Location:
     """Resolve ``path`` (and ``tag``) to one checkpoint; raises :class:`NotACheckpointError`."""
     given = Path(path).expanduser()
@@ -142,13 +220,15 @@ def locate(path: str | os.PathLike, tag: Optional[str] = None) -> Location:
             usable = [c for c in checkpoints if list_tags(c)]
             if usable:
                 save_dir = usable[-1]
-                notes.append(f"found {len(checkpoints)} checkpoint-N folders; using the newest, {save_dir.name}")
+                notes.append(f"found {len(checkpoints)} checkpoint folders ({checkpoints[0].name} ... "
+                             f"{checkpoints[-1].name}); using the newest with DeepSpeed files, {save_dir.name}")
+                newer = checkpoints[checkpoints.index(save_dir) + 1:]
+                if newer:
+                    notes.append(f"{', '.join(c.name for c in newer)} hold{'s' if len(newer) == 1 else ''} no "
+                                 "DeepSpeed checkpoint "
+                                 f"({newer[-1].name} holds {_contents(newer[-1])})")
             else:
-                raise NotACheckpointError(
-                    "no DeepSpeed checkpoint here: no 'latest' file, no tag folder with *_model_states.pt "
-                    "files, no checkpoint-N folders", path=given,
-                    hint="point at the folder given to engine.save_checkpoint (it holds 'latest'), at a tag "
-                         "folder such as global_step100, or at an HF Trainer output folder")
+                raise _not_a_checkpoint(given, checkpoints)
 
     tags = list_tags(save_dir)
     latest = read_latest(save_dir)

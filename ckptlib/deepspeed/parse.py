@@ -135,7 +135,9 @@ def _stage_and_flavor(rec: Records, fs: OpenedFiles, optim_files: list, first_op
                                 "*_optim_states.pt files: the save is incomplete")
         return
     if first_optim is None:
-        raise IncompleteCheckpointError("none of the optimizer-state files can be read", path=fs.location.tag_dir)
+        broken = "; ".join(f"{f.path.name} ({_reason(fs, f)})" for f in optim_files)
+        raise IncompleteCheckpointError(f"none of the {len(optim_files)} optimizer-state files can be read: {broken}",
+                                        path=fs.location.tag_dir)
     if "zero_stage" in first_optim:
         rec.zero_stage, rec.flavor = int(first_optim["zero_stage"]), ZERO
     elif "single_partition_of_fp32_groups" in first_optim:
@@ -145,6 +147,11 @@ def _stage_and_flavor(rec: Records, fs: OpenedFiles, optim_files: list, first_op
         raise UnsupportedCheckpointError(
             "the optimizer-state files have neither 'zero_stage' nor 'single_partition_of_fp32_groups'",
             path=optim_files[0].path, hint="this optimizer layout is not known to ckptlib")
+
+
+def _reason(fs: OpenedFiles, f) -> str:
+    cause = fs.error(f)
+    return cause.message if cause is not None else "unreadable"
 
 
 def _training_dtype(rec: Records, model: dict) -> str:

@@ -12,6 +12,7 @@ from typing import Any, Optional
 from ..errors import UnsupportedCheckpointError
 from ..layout import FlatGroupLayout, Zero3Layout
 from ..torchzip import TensorHandle
+from . import files as fnames
 from .fileset import OpenedFiles
 from .moe import expert_groups, expert_id, global_name
 from .records import BF16_OPTIMIZER, FileInfo, ParameterInfo, Records
@@ -45,6 +46,8 @@ def build_zero12(rec: Records, model: dict, model_file: FileInfo, optim_files: l
     key = "single_partition_of_fp32_groups"
     for rank, osd in sorted(optim.items()):
         r, parts = rank.dp, osd.get(key)
+        if rec.partition_count is not None and r >= rec.partition_count:
+            continue  # an extra file, reported as such
         if not isinstance(parts, (list, tuple)) or len(parts) != len(rec.layouts):
             rec.problems.append(f"rank {r}: '{key}' has {len(parts) if parts is not None else 'no'} groups, "
                                 f"param_shapes has {len(rec.layouts)}")
@@ -97,6 +100,8 @@ def build_zero3(rec: Records, fs: OpenedFiles, model: dict, model_files: list[Fi
     check_rank_files(rec, model_files, n, "model-states")
     for rank, osd in sorted(optim.items()):
         r, flats = rank.dp, osd.get("fp32_flat_groups")
+        if r >= n:
+            continue  # an extra file, reported as such
         if not isinstance(flats, (list, tuple)) or len(flats) != len(layout.sub_group_sizes):
             rec.problems.append(f"rank {r}: 'fp32_flat_groups' has {len(flats) if flats else 'no'} sub-groups, "
                                 f"param_shapes has {len(layout.sub_group_sizes)}")
@@ -232,13 +237,29 @@ def check_rank_files(rec: Records, files: list[FileInfo], n: Optional[int], what
     missing = sorted(set(range(n)) - set(ranks))
     extra = sorted(r for r in set(ranks) if r >= n)
     if missing:
-        rec.problems.append(f"missing {what} files for dp rank(s) {', '.join(map(str, missing))} "
-                            f"(the checkpoint was saved by {n} ranks); a rank did not finish saving")
+        names = ", ".join(_rank_file_name(files, r) for r in missing)
+        rec.problems.append(f"missing {names} ({what} file{'s' if len(missing) > 1 else ''} of dp rank(s) "
+                            f"{', '.join(map(str, missing))}; the checkpoint was saved by {n} ranks): a rank did not "
+                            "finish saving, or the file was not copied")
     if extra:
-        rec.problems.append(f"extra {what} files for dp rank(s) {', '.join(map(str, extra))}: the checkpoint "
-                            f"has {n} partitions; these are probably left over from another run")
+        names = ", ".join(f.path.name for f in sorted(files, key=lambda f: f.dp_rank or 0)
+                          if f.dp_rank is not None and f.dp_rank >= n)
+        rec.problems.append(f"extra {names} ({what} file{'s' if len(extra) > 1 else ''} of dp rank(s) "
+                            f"{', '.join(map(str, extra))}): the checkpoint has {n} partitions; probably left over "
+                            "from another run: move it out of the tag folder")
     if rec.dp_world_size is not None and rec.dp_world_size != n:
         rec.problems.append(f"partition_count {n} differs from the model file's dp_world_size {rec.dp_world_size}")
+
+
+def _rank_file_name(files: list[FileInfo], rank: int) -> str:
+    """The name the file of dp rank ``rank`` would have, like the other files of its kind."""
+    like = next((f for f in files if f.dp_rank is not None), None)
+    if like is None:
+        return f"the file of dp rank {rank}"
+    mp = like.mp_rank or 0
+    if like.kind == "optim_states":
+        return fnames.optim_states_name(rank, mp, like.prefix)
+    return fnames.model_states_name(mp, rank)
 
 
 def shapes_from_mappings(rec: Records) -> Optional[list[dict]]:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ..errors import IncompleteCheckpointError
+from ..allocation import translating_allocation_failures
 from ..memory import MemoryReport, watch_memory
 from ..output import AtomicOutputDir, reporting_failures
 from ..plan import PROCESSES, Plan
@@ -92,7 +93,7 @@ def run(plan: Plan, observer: Optional[Observer] = None, cancel: Any = None) -> 
     t0 = time.perf_counter()
     with watch_memory() as watch:
         observer.on_start(plan)
-        with reporting_failures(plan.out, observer):
+        with reporting_failures(plan.out, observer), translating_allocation_failures(plan, plan.out):
             check_unchanged(plan.source.stamps)
             compare_copies(plan, cancel)
             with AtomicOutputDir(plan.out, source=plan.source.save_dir, overwrite=plan.overwrite) as tmp:
@@ -127,9 +128,10 @@ def compare_copies(plan: Plan, cancel: Any = None) -> None:
 
 
 def finished(plan: Plan, seconds: float, read: int, memory: Optional[MemoryReport]) -> RunResult:
-    files = [(f.name, f.write_bytes) for f in plan.files] + [(f.name, len(f.text.encode())) for f in plan.finals]
+    files = [(f.name, f.size if f.size is not None else f.write_bytes) for f in plan.files] + \
+        [(f.name, f.size) for f in plan.finals]
     return RunResult(action=plan.action, out=plan.out, files=files, seconds=seconds, bytes_read=read,
-                     bytes_written=plan.write_bytes, memory=memory, plan=plan)
+                     bytes_written=sum(n for _, n in files), memory=memory, plan=plan)
 
 
 def write_in_threads(plan: Plan, work: list[Unit], tmp: Path, observer: Observer, cancel: Any,

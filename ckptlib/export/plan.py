@@ -5,6 +5,7 @@ notebook shows before the user runs it; :func:`ckptlib.run` executes it.
 """
 from __future__ import annotations
 
+import collections
 import json
 import os
 from dataclasses import dataclass, field
@@ -14,8 +15,12 @@ from typing import ClassVar, Optional, Sequence, Union
 from ..deepspeed import Checkpoint, open_checkpoint
 from ..dtypes import OUTPUT_DTYPES, BY_SHORT, is_floating
 from ..errors import CkptError
-from ..plan import PROCESSES, Plan, PlannedTensor, RangeCheck, TextFile, WeightsFile
+from .. import hf
+from ..plan import PROCESSES, CopyFile, Plan, PlannedTensor, RangeCheck, TextFile, WeightsFile
+from ..stformat import SafetensorsLayout, TensorSpec
 from ..streaming import DEFAULT_CHUNK_BYTES
+from ..torchzip.specs import NewTensor
+from ..torchzip.writer import file_size
 from ..units import human_bytes, parse_size
 
 FORMATS = ("safetensors", "torch")
@@ -28,7 +33,8 @@ class ExportPlan(Plan):
     Attributes:
         files: every output file (:class:`~ckptlib.plan.WeightsFile`) with its tensors (weights first, then
             one set per optimizer state).
-        finals: the index files of sharded sets.
+        finals: the index files of sharded sets, and the model's ``config.json`` with the exported dtype.
+        side_files: the Hugging Face files copied beside the weights (config, tokenizer, ...; names).
         format, dtype: output format (``"safetensors"``/``"torch"``) and weight dtype (``fp32``/``bf16``/``fp16``).
         index_files: ``{index file name: [file names]}`` for sharded sets.
         read_bytes / write_bytes: bytes read from the checkpoint / written to ``out``.
@@ -43,6 +49,7 @@ class ExportPlan(Plan):
     exclude_frozen: bool = False
     states: tuple = ()
     index_files: dict = field(default_factory=dict)
+    side_files: list = field(default_factory=list)
     parallel: str = PROCESSES
 
     @property
@@ -50,8 +57,13 @@ class ExportPlan(Plan):
         return self.notes
 
     @property
+    def weights(self) -> list:
+        """The weight (and optimizer-state) files, without the copied Hugging Face files."""
+        return [f for f in self.files if isinstance(f, WeightsFile)]
+
+    @property
     def tensors(self) -> list:
-        return [t for f in self.files for t in f.tensors]
+        return [t for f in self.weights for t in f.tensors]
 
     @property
     def largest_tensor_bytes(self) -> int:
@@ -62,9 +74,10 @@ class ExportPlan(Plan):
             "source": self.source.tag_dir, "out": str(self.out), "format": self.format, "dtype": self.dtype,
             "max_shard_size": self.max_shard_size, "exclude_frozen": self.exclude_frozen,
             "states": list(self.states), "workers": self.workers,
-            "files": [{"name": f.name, "bytes": f.nbytes, "tensors": [t.name for t in f.tensors]} for f in self.files],
-            "index_files": self.index_files, "read_bytes": self.read_bytes, "write_bytes": self.write_bytes,
-            "largest_tensor_bytes": self.largest_tensor_bytes, "predicted_peak_bytes": self.predicted_peak_bytes,
+            "files": [{"name": f.name, "bytes": f.size, "tensor_bytes": f.nbytes, "tensors": [t.name for t in f.tensors]}
+                      for f in self.weights],
+            "index_files": self.index_files, "side_files": list(self.side_files), "read_bytes": self.read_bytes, "write_bytes": self.write_bytes,
+            "file_bytes": self.file_bytes, "largest_tensor_bytes": self.largest_tensor_bytes, "predicted_peak_bytes": self.predicted_peak_bytes,
             "warnings": list(self.notes),
         }
 
@@ -73,20 +86,22 @@ class ExportPlan(Plan):
         lines = [
             f"export {src.tag_dir}",
             f"    -> {self.out}  ({self.format}, {self.dtype}"
-            + (f", shards up to {human_bytes(self.max_shard_size)}" if len(self.files) > 1 else "") + ")",
+            + (f", shards up to {human_bytes(self.max_shard_size)}" if len(self.weights) > 1 else "") + ")",
             f"ZeRO {src.zero_stage}, {src.dtype}, {src.dp_world_size} ranks; {len(self.tensors)} tensors "
-            f"in {len(self.files)} files",
-            f"reads {human_bytes(self.read_bytes)} of {human_bytes(src.total_bytes)}; "
-            f"writes {human_bytes(self.write_bytes)}",
+            f"in {len(self.weights)} file{'s' if len(self.weights) != 1 else ''}",
+            f"{self.reads_text()}; {self.writes_text()}",
             f"predicted peak memory: {human_bytes(self.predicted_peak_bytes)} per process "
             f"(largest tensor {human_bytes(self.largest_tensor_bytes)}; streamed in "
             f"{human_bytes(self.chunk_bytes)} chunks)",
         ]
-        for f in self.files:
-            lines.append(f"  {f.name:<44} {human_bytes(f.nbytes):>10}  {len(f.tensors)} tensors")
+        width = max([len(f.name) for f in self.weights] + [44])
+        for f in self.weights:
+            lines.append(f"  {f.name:<{width}} {human_bytes(f.size):>10}  {len(f.tensors)} tensors")
         for idx in self.index_files:
             lines.append(f"  {idx}")
-        lines += [f"warning: {w}" for w in self.notes]
+        if self.side_files:
+            lines.append(f"  + {', '.join(self.side_files)}")
+        lines += [f"note: {w}" for w in self.notes]
         return "\n".join(lines)
 
 
@@ -139,7 +154,7 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
                 tag: Optional[str] = None, format: str = "safetensors", dtype: str = "fp32",
                 max_shard_size: Union[int, str] = "5GB", exclude_frozen: bool = False,
                 states: Sequence[str] = (), workers: int = 1, overwrite: bool = False,
-                chunk_bytes: int = DEFAULT_CHUNK_BYTES, tp_rules=None) -> ExportPlan:
+                chunk_bytes: int = DEFAULT_CHUNK_BYTES, tp_rules=None, hf_files: bool = True) -> ExportPlan:
     """Plan the export of consolidated weights (and optionally optimizer states); reads no tensor data.
 
     Args:
@@ -157,6 +172,10 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
         chunk_bytes: streaming chunk size; the memory bound follows from it.
         tp_rules: how a tensor-parallel checkpoint saved without ``universal_checkpoint_info`` joins its
             shards (a JSON file; see :func:`ckptlib.open_checkpoint`).
+        hf_files: copy the Hugging Face files found beside the checkpoint (``config.json`` with its dtype
+            set to ``dtype``, ``generation_config.json``, tokenizer files, chat templates, remote code named
+            by ``auto_map``; :func:`ckptlib.hf.model_files`), so that ``from_pretrained(out)`` loads it as
+            it is. The plan's notes say which were copied, or how to add a config when there is none.
 
     Tensor-parallel shards are joined into full tensors; tensors replicated on several tensor ranks
     are compared when the plan runs, before anything is written (``plan.checks``).
@@ -205,6 +224,8 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
         group = [WeightsFile(prefix + name, format, shard, dict(meta) if format == "safetensors" else {},
                              kind="state" if key else "weights")
                  for name, shard in zip(names, shards or [[]])]
+        for f in group:
+            f.size = weights_file_size(f)
         files += group
         if index:
             index_files[prefix + index] = [f.name for f in group]
@@ -212,11 +233,49 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
     checks = [RangeCheck(what, tuple(a), tuple(b), a[0].dtype if a else "float32")  # compared as stored
               for f in files for t in f.tensors for what, a, b in ck.replica_checks(t.source, t.key)
               if t.kind != "tied"]
+    side, side_notes = _side_files(ck, out_dtype) if hf_files else ([], [])
+    files += [f for f in side if isinstance(f, CopyFile)]
+    finals = [f for f in side if isinstance(f, TextFile)] + finals
     return ExportPlan(source=ck.source_ref(), out=Path(out).expanduser().resolve(), files=files, finals=finals,
                       format=format, dtype=dtype, max_shard_size=limit, exclude_frozen=exclude_frozen,
-                      states=tuple(states), index_files=index_files, chunk_bytes=chunk_bytes, workers=workers,
-                      overwrite=overwrite, notes=warnings + [n for n in ck.view.notes if ck.kind != "data_parallel"],
+                      states=tuple(states), index_files=index_files, side_files=[f.name for f in side],
+                      chunk_bytes=chunk_bytes, workers=workers,
+                      overwrite=overwrite,
+                      notes=warnings + [n for n in ck.view.notes if ck.kind != "data_parallel"] + side_notes,
                       checks=checks)
+
+
+def _side_files(ck: Checkpoint, out_dtype: str) -> tuple[list, list[str]]:
+    """The Hugging Face files to copy beside the weights (``config.json`` as text with ``out_dtype``), and
+    the note saying what was copied from where, or how to add a config."""
+    found, folder = hf.model_files(ck.location.save_dir)
+    if folder is None:
+        return [], [f"no config.json beside the checkpoint ({ck.location.save_dir}): from_pretrained(OUT) needs "
+                    "one; write it with model.config.save_pretrained(OUT), or copy the config.json of the model "
+                    "you trained into OUT (--no-hf-files silences this)"]
+    out: list = []
+    for f in found:
+        if f.name == hf.CONFIG:
+            try:
+                text = hf.config_with_dtype(Path(f.source).read_text(), out_dtype)
+            except (OSError, ValueError) as e:
+                raise CkptError(f"this config.json cannot be read as JSON ({e})", path=f.source,
+                                hint="repair it, or export without it (--no-hf-files)") from None
+            out.append(TextFile(f.name, text, kind="hf"))
+        else:
+            out.append(CopyFile(f.name, f.source, f.bytes, kind="hf"))
+    where = "" if folder == ck.location.save_dir else f" (from {folder})"
+    names = [f"{f.name} (dtype {out_dtype})" if f.name == hf.CONFIG else f.name for f in found]
+    return out, [f"copied for from_pretrained{where}: {', '.join(names)}"]
+
+
+def weights_file_size(f: WeightsFile) -> int:
+    """The exact size of the file a run writes for ``f``: the safetensors header and data, or the torch
+    zip with its pickle (computed, nothing written)."""
+    if f.format == "safetensors":
+        return SafetensorsLayout([TensorSpec(t.name, t.dtype, t.shape) for t in f.tensors], f.metadata).file_size
+    tree = collections.OrderedDict((t.name, NewTensor(t.dtype, t.shape, t.ranges)) for t in f.tensors)
+    return file_size(tree, f.name, archive=Path(f.name).name.split(".")[0])
 
 
 def _index_json(group: list[WeightsFile], key: Optional[str]) -> str:

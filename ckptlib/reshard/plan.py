@@ -12,7 +12,7 @@ from ..errors import CkptError, UnsupportedCheckpointError
 from ..plan import CopyFile, Plan, TextFile
 from ..streaming import DEFAULT_CHUNK_BYTES
 from ..units import human_bytes
-from .trees import converter_scripts, tree_file
+from .trees import batch_note, client_files, converter_scripts, tree_file
 from .zero3 import Zero3Resharder
 from .zero12 import Zero12Resharder
 
@@ -40,9 +40,9 @@ class ReshardPlan(Plan):
             "source": src.tag_dir, "out": str(self.out), "tag": src.tag,
             "zero_stage": src.zero_stage, "from_world_size": src.partition_count, "to_world_size": self.world_size,
             "files": [{"name": f.name, "kind": f.kind, "rank": f.rank, "source_ranks": f.source_ranks,
-                       "read_bytes": f.read_bytes, "write_bytes": f.write_bytes} for f in self.files],
+                       "read_bytes": f.read_bytes, "write_bytes": f.write_bytes, "bytes": f.size} for f in self.files],
             "feeds": {str(k): v for k, v in self.feeds().items()},
-            "read_bytes": self.read_bytes, "write_bytes": self.write_bytes,
+            "read_bytes": self.read_bytes, "write_bytes": self.write_bytes, "file_bytes": self.file_bytes,
             "predicted_peak_bytes": self.predicted_peak_bytes, "notes": list(self.notes),
         }
 
@@ -53,15 +53,17 @@ class ReshardPlan(Plan):
                  "data-parallel ranks", *self.summary_lines(), "no temporary files", "target rank <- source ranks:"]
         for r, ranks in self.feeds().items():
             lines.append(f"  {r:>4} <- {', '.join(map(str, ranks))}")
+        width = max(len(f.name) for f in self.files)
         for f in self.files:
-            lines.append(f"  {f.name:<60} {human_bytes(f.write_bytes):>10}")
+            lines.append(f"  {f.name:<{width}} {human_bytes(f.size):>10}")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
 
 def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str, os.PathLike], world_size: int, *,
                  tag: Optional[str] = None, overwrite: bool = False,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, workers: Optional[int] = None, tp_rules=None) -> ReshardPlan:
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, workers: Optional[int] = None, tp_rules=None,
+                 hf_files: bool = True) -> ReshardPlan:
     """Plan rewriting a ZeRO-1/2/3 checkpoint for ``world_size`` data-parallel ranks (metadata only).
 
     A pipeline or tensor-parallel checkpoint keeps its stages and tensor ranks: each one's ZeRO set is
@@ -72,6 +74,12 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
     (and ZeRO-3 sub-groups, ``param_shapes`` and frozen fragments) recomputed, and everything else
     carried over; ``engine.load_checkpoint`` at ``world_size`` ranks accepts it. ``workers`` files
     are written at a time (default: 2 on machines with 2 cores or more).
+
+    ``hf_files``: carry over the HF Trainer / Accelerate files beside the checkpoint byte for byte
+    (``trainer_state.json``, ``scheduler.pt``, ``training_args.bin``, the 16-bit ``model.safetensors``,
+    config and tokenizer, ``scheduler.bin``, ...) with the RNG states of the ranks that exist at the new
+    size, so that ``Trainer.train(resume_from_checkpoint=out)`` or ``accelerator.load_state(out)`` resumes
+    from ``out`` as it is; the plan's notes say what was carried and what happens for new ranks.
 
     Memory: the plan (object trees whose tensors are range lists, not read yet).
     """
@@ -97,6 +105,12 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
             files.append(CopyFile(f"{tag_name}/{f.path.name}", os.fspath(f.path), f.bytes))
     for script in converter_scripts(ck):
         files.append(CopyFile(Path(script).name, script, os.path.getsize(script)))
+    if hf_files:
+        carried, carried_notes = client_files(ck, world_size)
+        files += carried
+        notes += carried_notes
+    note = batch_note(ck, world_size)
+    notes += [note] if note else []
     return ReshardPlan(source=ck.source_ref(), out=Path(out).expanduser().resolve(), world_size=world_size,
                        files=files, finals=[TextFile("latest", tag_name, kind="latest")], folders=[tag_name],
                        chunk_bytes=chunk_bytes, overwrite=overwrite, notes=notes,

@@ -10,12 +10,14 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
+from .. import hf
 from ..deepspeed import Checkpoint, ZeroSet
-from ..plan import TreeFile
+from ..plan import CopyFile, TreeFile
 from ..ranges import Zeros
 from ..torchzip import TensorHandle
 from ..torchzip.specs import NewTensor
 from ..torchzip.trees import as_specs, tree_bytes
+from ..torchzip.writer import file_size
 
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's default zero_optimization.sub_group_size
 
@@ -57,10 +59,11 @@ def optim_prefix(ck: ZeroSet) -> str:
 
 def tree_file(name: str, kind: str, obj: Any, rank: Optional[int] = None,
               source_ranks: Optional[list] = None) -> TreeFile:
-    """A :class:`TreeFile` for ``obj`` (tensor handles become plain specs; bytes counted)."""
+    """A :class:`TreeFile` for ``obj`` (tensor handles become plain specs; bytes counted, and the exact
+    file size computed from the pickle and the zip layout)."""
     obj = as_specs(obj)
     read, written = tree_bytes(obj)
-    return TreeFile(name, kind, obj, read, written, rank, list(source_ranks or []))
+    return TreeFile(name, kind, obj, read, written, rank, list(source_ranks or []), size=file_size(obj, name))
 
 
 def sub_group_size(ck: ZeroSet) -> int:
@@ -78,5 +81,37 @@ def converter_scripts(ck: Checkpoint) -> list[str]:
     return out
 
 
-__all__ = ["DEFAULT_SUB_GROUP_SIZE", "replace", "streamed", "copied", "to_ranges", "optim_prefix", "tree_file",
+def client_files(ck: Checkpoint, world_size: Optional[int]) -> tuple[list[CopyFile], list[str]]:
+    """The HF Trainer / Accelerate files beside the checkpoint, carried over byte for byte so that the client
+    resumes from the output (:func:`ckptlib.hf.training_files`; ``world_size`` None: a universal
+    checkpoint), and the notes saying what was carried and what the client does for ranks without an RNG state."""
+    found = hf.training_files(ck.location.save_dir, world_size, skip_folders=tuple(ck.location.tags))
+    files = [CopyFile(f.name, f.source, f.bytes, kind="client") for f in found.files]
+    if not files:
+        return [], []
+    who = {hf.TRAINER: "for the HF Trainer", hf.ACCELERATE: "for Accelerate"}.get(found.client, "for from_pretrained")
+    return files, [f"carried over {who}: {', '.join(f.name for f in found.files)}", *found.notes]
+
+
+def batch_note(ck: Checkpoint, world_size: int) -> Optional[str]:
+    """What per-rank micro-batch keeps the checkpoint's global batch at ``world_size`` data-parallel ranks
+    (DeepSpeed checks train_batch_size = micro-batch x accumulation steps x ranks when it starts)."""
+    cfg = ck.ds_config or {}
+    try:
+        total, micro = int(cfg["train_batch_size"]), int(cfg["train_micro_batch_size_per_gpu"])
+        accumulation = int(cfg.get("gradient_accumulation_steps") or 1)
+    except (KeyError, TypeError, ValueError):
+        return None
+    before = f"the global batch was {total} = {micro} per rank x {accumulation} accumulation step(s) x {ck.mesh.dp} ranks"
+    if total % (world_size * accumulation) == 0:
+        new = total // (world_size * accumulation)
+        if new == micro:
+            return None
+        return (f"{before}; to keep it at {world_size} ranks, use a micro-batch of {new} per rank "
+                f"(HF: per_device_train_batch_size={new}) with {accumulation} accumulation step(s)")
+    return (f"{before}; {total} does not divide among {world_size} ranks x {accumulation} accumulation step(s): "
+            f"pick micro-batch x accumulation x {world_size} = the global batch you want (the data order changes)")
+
+
+__all__ = ["client_files", "batch_note", "DEFAULT_SUB_GROUP_SIZE", "replace", "streamed", "copied", "to_ranges", "optim_prefix", "tree_file",
            "sub_group_size", "converter_scripts"]

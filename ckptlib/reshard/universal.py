@@ -95,7 +95,7 @@ from ..streaming import DEFAULT_CHUNK_BYTES
 from ..torchzip import TensorHandle
 from ..units import human_bytes
 from .plan import default_workers, refuse_unsupported
-from .trees import copied, replace, streamed, tree_file
+from .trees import client_files, copied, replace, streamed, tree_file
 
 UNIVERSAL_SUFFIX = "_universal"
 LATEST_UNIVERSAL = "latest_universal"
@@ -118,8 +118,8 @@ class UniversalPlan(Plan):
             "universal_tag": self.universal_tag, "zero_stage": src.zero_stage, "flavor": src.flavor,
             "from_world_size": src.partition_count,
             "files": [{"name": f.name, "kind": f.kind, "source_ranks": f.source_ranks, "read_bytes": f.read_bytes,
-                       "write_bytes": f.write_bytes} for f in self.files],
-            "read_bytes": self.read_bytes, "write_bytes": self.write_bytes,
+                       "write_bytes": f.write_bytes, "bytes": f.size} for f in self.files],
+            "read_bytes": self.read_bytes, "write_bytes": self.write_bytes, "file_bytes": self.file_bytes,
             "predicted_peak_bytes": self.predicted_peak_bytes, "notes": list(self.notes),
         }
 
@@ -131,9 +131,10 @@ class UniversalPlan(Plan):
                  f"ZeRO {src.zero_stage} ({src.flavor}), {src.dtype}, saved by {src.partition_count} ranks; "
                  "DeepSpeed loads it at any data-parallel size with \"checkpoint\": {\"load_universal\": true}",
                  *self.summary_lines(), f"{params} parameters; no temporary files"]
+        width = max([len(f.name) for f in self.files if f.kind != "param_state"] + [10])
         for f in self.files:
             if f.kind != "param_state":
-                lines.append(f"  {f.name:<60} {human_bytes(f.write_bytes):>10}")
+                lines.append(f"  {f.name:<{width}} {human_bytes(f.size):>10}")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -287,13 +288,14 @@ def _model_state_files(ck: Checkpoint, utag: str) -> list:
 def plan_universal(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str, os.PathLike], *,
                    tag: Optional[str] = None, overwrite: bool = False,
                    chunk_bytes: int = DEFAULT_CHUNK_BYTES, workers: Optional[int] = None,
-                   tp_rules=None) -> UniversalPlan:
+                   tp_rules=None, hf_files: bool = True) -> UniversalPlan:
     """Plan writing the universal checkpoint of a ZeRO-1/2/3 (or BF16_Optimizer) checkpoint (metadata only).
 
     ``out`` is a new folder that DeepSpeed loads with ``engine.load_checkpoint(out)`` and
     ``"checkpoint": {"load_universal": true}`` at any data-parallel size (see the module docstring for
-    the layout and what the loader reads). Memory: the plan (object trees whose tensors are range
-    lists, not read yet).
+    the layout and what the loader reads). ``hf_files``: carry over the HF Trainer / Accelerate files
+    beside the checkpoint as :func:`~ckptlib.reshard.plan_reshard` does (the RNG states as saved).
+    Memory: the plan (object trees whose tensors are range lists, not read yet).
     """
     ck = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, tag=tag, tp_rules=tp_rules)
     ck.check_readable()
@@ -343,10 +345,16 @@ def plan_universal(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[s
             add(f"{p.name}/step.pt", copied(step) if isinstance(step, TensorHandle) else step)
     add("optimizer_state.pt", optimizer_state, kind="optimizer_state")
     files += _model_state_files(ck, utag)
+    carried, carried_notes = client_files(ck, None) if hf_files else ([], [])
+    files += carried
+    load = ['load it with "checkpoint": {"load_universal": true} in the DeepSpeed config'
+            + (" (the dict or JSON file given to TrainingArguments(deepspeed=...) or to Accelerate's "
+               "DeepSpeedPlugin)" if carried else "")]
     return UniversalPlan(source=ck.source_ref(), out=Path(out).expanduser().resolve(), universal_tag=utag,
                          files=files, finals=[TextFile(LATEST_UNIVERSAL, utag, kind="latest")],
                          folders=[f"{utag}/zero"], chunk_bytes=chunk_bytes, overwrite=overwrite,
-                         notes=src.notes + _notes(ck, tied, skipped_frozen), workers=workers or default_workers())
+                         notes=src.notes + _notes(ck, tied, skipped_frozen) + carried_notes + load,
+                         workers=workers or default_workers())
 
 
 __all__ = ["plan_universal", "UniversalPlan", "LATEST_UNIVERSAL", "UNIVERSAL_SUFFIX", "check_name"]

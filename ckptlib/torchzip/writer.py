@@ -176,6 +176,50 @@ def _is_torch(obj: Any, name: str) -> bool:
     return any(c.__module__ == "torch" and c.__name__ == name for c in cls.__mro__)
 
 
+def _layout(obj: Any, archive: str, zip64_limit: int):
+    """The members of the zip file for ``obj`` (pickle, small records, one storage each), their records
+    and the central directory's offset."""
+    obj = as_specs(obj)
+    keys: dict[Any, tuple] = {}
+    order: list = []  # (key, source) with source a StorageAddress or a NewTensor
+    for t in walk_tensors(obj, []):
+        src = t.storage if isinstance(t, StoredTensor) else t
+        ident = src if isinstance(src, StorageAddress) else id(src)
+        if ident not in keys:
+            keys[ident] = (str(len(order)), lookup(src.dtype).name, src.numel)
+            order.append((str(len(order)), src))
+
+    def key_of(t):
+        return keys[t.storage if isinstance(t, StoredTensor) else id(t)]
+
+    p = _Pickle(key_of)
+    p.emit(obj)
+    members: list[tuple[str, Any]] = [("data.pkl", p.finish()), (".format_version", b"1"),
+                                      (".storage_alignment", str(ALIGN).encode()), ("byteorder", b"little")]
+    members += [(f"data/{key}", src) for key, src in order]
+    members += [("version", b"3\n"), (".data/serialization_id", b"0" * 40)]
+
+    def size(content) -> int:
+        return len(content) if isinstance(content, bytes) else content.nbytes
+
+    records, cd_offset = layout_records([(f"{archive}/{name}", size(c)) for name, c in members], zip64_limit)
+    return members, records, cd_offset
+
+
+def _archive_name(path: str | os.PathLike, archive: Optional[str]) -> str:
+    return archive or os.path.splitext(os.path.basename(os.fspath(path)))[0] or "archive"
+
+
+def file_size(obj: Any, path: str | os.PathLike, archive: Optional[str] = None, zip64_limit: int = ZIP64_LIMIT) -> int:
+    """The exact size in bytes of the file :func:`save` writes for ``obj`` at ``path`` (the pickle is
+    built, nothing is read or written).
+
+    Memory: the pickle.
+    """
+    members, records, cd_offset = _layout(obj, _archive_name(path, archive), zip64_limit)
+    return cd_offset + len(central_directory(records, cd_offset, zip64_limit))
+
+
 def save(obj: Any, path: str | os.PathLike, archive: Optional[str] = None,
          progress: Callable[[int], None] = lambda n: None, bufs=None, files=None, cancel: Any = None,
          zip64_limit: int = ZIP64_LIMIT) -> int:
@@ -194,31 +238,7 @@ def save(obj: Any, path: str | os.PathLike, archive: Optional[str] = None,
     Memory: the pickle and the streaming buffers ``bufs`` (a :class:`~ckptlib.streaming.ChunkBuffers`,
     3 x 8 MiB made here if not given).
     """
-    obj = as_specs(obj)
-    keys: dict[Any, tuple] = {}
-    order: list = []  # (key, source) with source a StorageAddress or a NewTensor
-    for t in walk_tensors(obj, []):
-        src = t.storage if isinstance(t, StoredTensor) else t
-        ident = src if isinstance(src, StorageAddress) else id(src)
-        if ident not in keys:
-            keys[ident] = (str(len(order)), lookup(src.dtype).name, src.numel)
-            order.append((str(len(order)), src))
-
-    def key_of(t):
-        return keys[t.storage if isinstance(t, StoredTensor) else id(t)]
-
-    p = _Pickle(key_of)
-    p.emit(obj)
-    archive = archive or os.path.splitext(os.path.basename(os.fspath(path)))[0] or "archive"
-    members: list[tuple[str, Any]] = [("data.pkl", p.finish()), (".format_version", b"1"),
-                                      (".storage_alignment", str(ALIGN).encode()), ("byteorder", b"little")]
-    members += [(f"data/{key}", src) for key, src in order]
-    members += [("version", b"3\n"), (".data/serialization_id", b"0" * 40)]
-
-    def size(content) -> int:
-        return len(content) if isinstance(content, bytes) else content.nbytes
-
-    records, cd_offset = layout_records([(f"{archive}/{name}", size(c)) for name, c in members], zip64_limit)
+    members, records, cd_offset = _layout(obj, _archive_name(path, archive), zip64_limit)
     own_files = files is None
     files = files if files is not None else SourceFiles()
     written = 0
@@ -268,4 +288,4 @@ def save(obj: Any, path: str | os.PathLike, archive: Optional[str] = None,
     return written
 
 
-__all__ = ["save", "NewTensor", "StoredTensor", "StorageAddress", "STORAGE_CLASS"]
+__all__ = ["save", "file_size", "NewTensor", "StoredTensor", "StorageAddress", "STORAGE_CLASS"]

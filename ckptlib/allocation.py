@@ -1,0 +1,55 @@
+"""Running out of memory: recognising a failed allocation (Python's, the OS's or torch's allocator) and
+turning it into one :class:`~ckptlib.errors.OutOfMemoryError` that says how much a plan needs and how much
+was left, under which limit (:func:`ckptlib.memory.system_memory`: the machine, the cgroup, ``ulimit -d``
+and ``ulimit -v``). Memory: none.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Optional, Union
+
+from .errors import CkptError, OutOfMemoryError
+from .memory import SystemMemory, system_memory
+from .units import human_bytes
+
+#: what torch's CPU allocator and the OS say when an allocation fails
+_ALLOCATION_FAILED = ("can't allocate memory", "cannot allocate memory", "defaultcpuallocator", "out of memory")
+
+
+def is_allocation_failure(error: Union[BaseException, str]) -> bool:
+    """Whether ``error`` (an exception, or its text from a worker process) is a failed memory allocation:
+    a ``MemoryError``, ``ENOMEM``, or torch's allocator giving up."""
+    if isinstance(error, MemoryError):
+        return True
+    if isinstance(error, OSError) and error.errno == 12:  # ENOMEM
+        return True
+    text = str(error).lower()
+    return (isinstance(error, (str, RuntimeError))) and any(s in text for s in _ALLOCATION_FAILED)
+
+
+@contextlib.contextmanager
+def translating_allocation_failures(plan: Any, path: Any = None):
+    """Around a run: a failed allocation becomes one :class:`~ckptlib.errors.OutOfMemoryError` saying how
+    much ``plan`` needs (its ``predicted_peak_bytes``) and how much was left."""
+    try:
+        yield
+    except CkptError as e:
+        if isinstance(e, OutOfMemoryError) or not is_allocation_failure(e.message):
+            raise
+        raise OutOfMemoryError(out_of_memory_message(plan.predicted_peak_bytes, f"this {plan.action}"),
+                               path=path) from None
+    except (MemoryError, RuntimeError, OSError) as e:
+        if not is_allocation_failure(e):
+            raise
+        raise OutOfMemoryError(out_of_memory_message(plan.predicted_peak_bytes, f"this {plan.action}"),
+                               path=path) from None
+
+
+def out_of_memory_message(needed: int, what: str = "the run", system: Optional[SystemMemory] = None) -> str:
+    """``"ran out of memory: the run needs about 58.7 MB, 3.1 MB was left under ..."``."""
+    system = system or system_memory()
+    return (f"ran out of memory: {what} needs about {human_bytes(needed)}, and {human_bytes(system.headroom)} "
+            f"was {system.bound_by}")
+
+
+__all__ = ["is_allocation_failure", "translating_allocation_failures", "out_of_memory_message"]
