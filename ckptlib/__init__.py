@@ -10,6 +10,9 @@ Public API::
     plan = ckptlib.plan_export(ckpt, "out")                   # plain data: files, tensors, byte ranges
     result = ckptlib.run(plan)                                # (or ckptlib.export(plan)); result.memory
     assert ckptlib.verify(plan).ok                            # every tensor re-read and compared
+
+    health = ckptlib.check("output/checkpoint-500")           # statistics and problems, streamed
+    d = ckptlib.diff("output/checkpoint-500", "out")          # any two checkpoints / exports, tensor by tensor
 """
 from .deepspeed import Checkpoint, open_checkpoint
 from .errors import (Cancelled, CkptError, IncompleteCheckpointError, NotACheckpointError, OutOfMemoryError,
@@ -23,6 +26,9 @@ from .reshard import (ReshardPlan, ReshardResult, UniversalPlan, UniversalResult
 from .execute import RunResult, run, run_distributed
 from .summary import describe
 from .verify import Preflight, Verification, preflight, verify
+from .health import CheckPlan, CheckResult, check, plan_check
+from .tensordiff import DiffPlan, DiffResult, diff, plan_diff
+from .tensorsets import TensorSet, open_tensor_set
 
 __version__ = "0.1.0"
 
@@ -31,6 +37,8 @@ __all__ = [
     "Observer", "Cancelled", "plan_reshard", "reshard", "ReshardPlan", "ReshardResult",
     "plan_universal", "write_universal", "UniversalPlan", "UniversalResult", "Plan", "run", "run_distributed",
     "RunResult", "verify", "Verification", "preflight", "Preflight",
+    "plan_check", "check", "CheckPlan", "CheckResult", "plan_diff", "diff", "DiffPlan", "DiffResult",
+    "open_tensor_set", "TensorSet",
     "CkptError", "IncompleteCheckpointError", "NotACheckpointError", "OutputError", "UnsafeCheckpointError",
     "UnsupportedCheckpointError", "OutOfMemoryError",
 ]

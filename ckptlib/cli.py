@@ -93,6 +93,31 @@ def _cmd_reshard(args: argparse.Namespace) -> int:
     return _finish(args, plan, result)
 
 
+def _cmd_check(args: argparse.Namespace) -> int:
+    from .health import check, plan_check
+    from .scan import ReadTqdm
+
+    plan = plan_check(args.path, tag=args.tag, states=args.states, tp_rules=args.tp_rules)
+    for note in plan.notes:
+        print(f"note: {note}", file=sys.stderr)
+    result = check(plan, observer=None if args.quiet or args.json else ReadTqdm("check"))
+    print(json.dumps(result.to_dict(), indent=2) if args.json else result.describe())
+    return 0 if result.ok else 1
+
+
+def _cmd_diff(args: argparse.Namespace) -> int:
+    from .scan import ReadTqdm
+    from .tensordiff import diff, plan_diff
+
+    plan = plan_diff(args.a, args.b, tag_a=args.tag_a, tag_b=args.tag_b, states=args.states, atol=args.atol,
+                     rtol=args.rtol, tp_rules=args.tp_rules)
+    for note in plan.notes:
+        print(f"note: {note}", file=sys.stderr)
+    result = diff(plan, observer=None if args.quiet or args.json else ReadTqdm("diff"))
+    print(json.dumps(result.to_dict(), indent=2) if args.json else result.describe())
+    return 0 if result.ok else 1
+
+
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
     """Help that shows each option's default (where it has one worth showing)."""
 
@@ -171,6 +196,31 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print nothing but errors (and a failed verification); the exit code says how it went")
     p.set_defaults(func=_cmd_reshard)
 
+    p = add_parser("check", help="statistics of every fp32 master (and optimizer state) and what is wrong "
+                       "(NaN/Inf, negative exp_avg_sq, 16-bit weights, steps, padding); exit 1 on a problem")
+    p.add_argument("path", help="the checkpoint (as for inspect)")
+    p.add_argument("--tag", help="tag to check (default: the one 'latest' names)")
+    p.add_argument("--states", action="store_true", help="also every optimizer state (exp_avg, exp_avg_sq, ...)")
+    p.add_argument("--json", action="store_true", help="print JSON: tensors, problems, bytes_read")
+    p.add_argument("--tp-rules", metavar="FILE", help=TP_RULES_HELP)
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_check)
+
+    p = add_parser("diff", help="compare two checkpoints, exports or universal checkpoints tensor by tensor; "
+                       "exit 0 when every tensor is the same, 1 otherwise")
+    p.add_argument("a", help="a checkpoint (any stage, world size, tag folder), an export folder or file, or a "
+                   "universal checkpoint")
+    p.add_argument("b", help="the same kinds as A")
+    p.add_argument("--tag-a", help="tag of A when it is a checkpoint (default: the one 'latest' names)")
+    p.add_argument("--tag-b", help="tag of B when it is a checkpoint")
+    p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: exact)")
+    p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance: same when |a-b| <= atol + rtol*|b|")
+    p.add_argument("--states", action="store_true", help="compare optimizer states too (an export's <state>/ "
+                   "sub-folders, a universal checkpoint's exp_avg.pt, ...)")
+    p.add_argument("--json", action="store_true", help="print JSON: tensors, summary, bytes_read")
+    p.add_argument("--tp-rules", metavar="FILE", help=TP_RULES_HELP + " (for either side)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_diff)
     return parser
 
 

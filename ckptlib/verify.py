@@ -7,8 +7,9 @@
 - :func:`preflight` says whether a plan's predicted memory and its bytes to write fit what this machine
   has (memory, cgroup limit, free disk).
 
-No widgets, no plots: the CLI (``--verify``), the wizards and the notebooks all call this.
-Memory: two chunks of ``chunk_bytes`` at a time, whatever the tensor sizes.
+No widgets, no plots: the CLI (``--verify``), the wizards and the notebooks all call this. The
+comparison engine (:class:`ckptlib.compare.Comparer`) is the one ``ckpt diff`` uses.
+Memory: the comparer's buffers (1.5 ``chunk_bytes``), whatever the tensor sizes.
 """
 from __future__ import annotations
 
@@ -20,16 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+from .compare import Comparer
 from .deepspeed import Checkpoint, open_checkpoint
-from .dtypes import itemsize
 from .errors import CkptError
 from .memory import MemoryVerdict, memory_verdict
 from .plan import CopyFile, Plan, TextFile
-from .progress import check_cancel
-from .ranges import numel, slice_ranges
-from .sources import SourceFiles
-from .stformat import read_header
-from .streaming import DEFAULT_CHUNK_BYTES, read_ranges
+from .streaming import DEFAULT_CHUNK_BYTES
+from .tensorsets import file_tensors
 from .torchzip import TensorHandle, open_torch_file
 from .units import human_bytes
 
@@ -64,38 +62,6 @@ class Verification:
         return "\n".join(lines)
 
 
-class _Comparer:
-    """Streams pairs of range lists chunk by chunk and compares their bytes (as one dtype)."""
-
-    def __init__(self, chunk_bytes: int, progress: Callable[[int], None], cancel):
-        self.files = SourceFiles()
-        self.chunk_bytes, self.progress, self.cancel = chunk_bytes, progress, cancel
-        self.compared = 0
-
-    def equal(self, a: list, b: list, dtype: str) -> bool:
-        """Whether ranges ``a`` (cast to ``dtype``) and ``b`` (cast to ``dtype``) hold the same bits."""
-        import torch
-
-        n = numel(a)
-        if numel(b) != n:
-            return False
-        step = max(1, self.chunk_bytes // max(itemsize(dtype), 4))
-        for pos in range(0, n, step):
-            check_cancel(self.cancel)
-            k = min(step, n - pos)
-            x = read_ranges(slice_ranges(a, pos, k), dtype, self.files)
-            y = read_ranges(slice_ranges(b, pos, k), dtype, self.files)
-            same = torch.equal(x.view(torch.uint8), y.view(torch.uint8))
-            self.compared += 2 * k * itemsize(dtype)
-            self.progress(k * itemsize(dtype))
-            if not same:
-                return False
-        return True
-
-    def close(self) -> None:
-        self.files.close()
-
-
 def _tally(what: str, total: int, bad: list[str]) -> Check:
     listed = ", ".join(bad[:MAX_LISTED]) + (f" and {len(bad) - MAX_LISTED} more" if len(bad) > MAX_LISTED else "")
     return Check(what, not bad, f"{total - len(bad)} of {total}" + (f"; differ: {listed}" if bad else ""))
@@ -123,19 +89,12 @@ def _copies(plan: Plan, out: Path) -> list[Check]:
 
 
 # ============================================================================================ export
-def _output_tensors(path: Path, fmt: str) -> dict:
+def _output_tensors(path: Path) -> dict:
     """``{name: (dtype, shape, ranges)}`` of an exported file, from its header or pickle (no tensor data)."""
-    if fmt == "safetensors":
-        from .ranges import StoredRange
-
-        _, infos = read_header(path)
-        return {t.name: (t.dtype, t.shape, [StoredRange(os.fspath(path), t.offset, t.dtype,
-                                                        t.nbytes // itemsize(t.dtype))]) for t in infos}
-    with open_torch_file(path) as tf:
-        return {k: (h.dtype_name, tuple(h.shape), h.ranges()) for k, h in tf.obj.items() if isinstance(h, TensorHandle)}
+    return {t.key: (t.dtype, tuple(t.shape), list(t.ranges)) for t in file_tensors(path)}
 
 
-def _verify_export(plan, src: Checkpoint, out: Path, cmp: _Comparer) -> list[Check]:
+def _verify_export(plan, src: Checkpoint, out: Path, cmp: Comparer) -> list[Check]:
     checks = []
     missing = [f.name for f in list(plan.files) + list(plan.finals) if not (out / f.name).is_file()]
     checks.append(Check("every planned file is there", not missing,
@@ -146,7 +105,7 @@ def _verify_export(plan, src: Checkpoint, out: Path, cmp: _Comparer) -> list[Che
     found, bad_names = {}, []
     for f in plan.weights:
         try:
-            tensors = _output_tensors(out / f.name, f.format)
+            tensors = _output_tensors(out / f.name)
         except (CkptError, ValueError) as e:
             bad_names.append(f"{f.name}: {e}")
             continue
@@ -172,7 +131,7 @@ def _verify_export(plan, src: Checkpoint, out: Path, cmp: _Comparer) -> list[Che
 
 
 # ============================================================================================ reshard
-def _verify_reshard(plan, src: Checkpoint, out: Path, cmp: _Comparer) -> list[Check]:
+def _verify_reshard(plan, src: Checkpoint, out: Path, cmp: Comparer) -> list[Check]:
     try:
         new = open_checkpoint(out)
     except CkptError as e:
@@ -209,7 +168,7 @@ def _verify_reshard(plan, src: Checkpoint, out: Path, cmp: _Comparer) -> list[Ch
 
 
 # ============================================================================================ universal
-def _verify_universal(plan, src: Checkpoint, out: Path, cmp: _Comparer) -> list[Check]:
+def _verify_universal(plan, src: Checkpoint, out: Path, cmp: Comparer) -> list[Check]:
     latest = out / plan.finals[0].name
     checks = [Check(f"{latest.name} names {plan.universal_tag}",
                     latest.is_file() and latest.read_text().strip() == plan.universal_tag)]
@@ -255,7 +214,7 @@ def verify(plan: Plan, out: Optional[os.PathLike] = None, *, chunk_bytes: int = 
     if not out.is_dir():
         result.checks.append(Check("the output folder exists", False, str(out)))
         return result
-    cmp = _Comparer(chunk_bytes, progress, cancel)
+    cmp = Comparer(chunk_bytes, progress, cancel)
     try:
         with open_checkpoint(plan.source.save_dir, tag=plan.source.tag, tp_rules=plan.source.tp_rules) as src:
             result.checks = do(plan, src, out, cmp) + _copies(plan, out)

@@ -48,3 +48,34 @@ def test_01_browse_in_jupyterlab_in_chromium():
         finally:
             page.screenshot(path=str(shot))
     assert shot.stat().st_size > 10_000
+
+
+def test_05_health_and_diff_in_jupyterlab_in_chromium():
+    """The health view (per-layer norm bars) and the diff view (its figure) render as live widgets."""
+    ARTIFACTS.mkdir(exist_ok=True)
+    shot = ARTIFACTS / "05_health_and_diff.png"
+    with jupyterlab([ROOT / "notebooks" / "05_health_and_diff.ipynb"]) as lab, chromium(1400, 1000) as page:
+        try:
+            open_and_run_all(page, lab, "05_health_and_diff.ipynb")
+            assert not errors_in_page(page)
+            health = page.locator(".ckpt-health-view")
+            health.wait_for(state="visible", timeout=30_000)
+            assert "healthy: 35 tensors" in health.inner_text()
+            table = health.locator("table.ckpt-health-table")
+            assert table.locator("tr.ckpt-layer-row").count() == 8 + 7  # layers of the masters, then of the states
+            assert table.locator(".ckpt-norm-bar").count() > 30 and "embed.weight" in table.inner_text()
+            health.screenshot(path=str(ARTIFACTS / "05_health_and_diff-health.png"))
+            health.get_by_placeholder("part of a tensor name").fill("fc1")
+            health.get_by_placeholder("part of a tensor name").press("Enter")
+            page.wait_for_function("() => !document.querySelector('.ckpt-health-table').innerText"
+                                   ".includes('embed.weight')", timeout=15_000)
+            view = page.locator(".ckpt-diff-view")
+            view.scroll_into_view_if_needed()
+            assert "12 changed" in view.inner_text() and "fc1.weight" in view.locator("table.ckpt-diff-table").inner_text()
+            figure = view.locator("img.ckpt-diff-figure")
+            figure.wait_for(state="visible", timeout=15_000)
+            assert figure.evaluate("img => img.naturalWidth") > 400
+            page.screenshot(path=str(ARTIFACTS / "05_health_and_diff-diff.png"))
+        finally:
+            page.screenshot(path=str(shot))
+    assert shot.stat().st_size > 10_000

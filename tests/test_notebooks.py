@@ -17,7 +17,8 @@ FIXTURES = ["z1_bf16_w3", "z2_fp32_w4", "z3_bf16_w2"]
 
 
 def test_the_suite_is_there():
-    assert NOTEBOOKS == ["00_start_here", "01_browse", "02_partition_layout", "03_export_weights", "04_reshard"]
+    assert NOTEBOOKS == ["00_start_here", "01_browse", "02_partition_layout", "03_export_weights", "04_reshard",
+                         "05_health_and_diff"]
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS)
@@ -87,3 +88,7 @@ def test_notebook_runs_headless(notebook, fixture, fixture_by_name, executed_not
         assert (out_dir / "export" / "model.safetensors").is_file()
     if notebook == "04_reshard":
         assert (out_dir / "reshard" / "latest").is_file()
+    if notebook == "05_health_and_diff":  # healthy, the fp32 export the same, the bf16 one changed
+        assert (out_dir / "diff-fp32" / "model.safetensors").is_file() and (out_dir / "diff-bf16").is_dir()
+        assert "healthy: " in text and " 0 changed, 0 only in A, 0 only in B, 0 shape changed" in text
+        assert "largest relative change" in text

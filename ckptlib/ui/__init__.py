@@ -9,14 +9,19 @@ Built only on ckptlib's public API; nothing in the library imports this package.
 - :class:`ExportWizard`, :class:`ReshardWizard` — options → plan (predicted memory and disk) → run in a
   worker thread (progress, live memory chart, Cancel) → verify → summary.
 - :class:`MemoryMonitor` — the kernel's memory, live.
+- :class:`HealthView` — what ``ckptlib.check`` found: per-layer norm bars, NaN/Inf marked, problems.
+- :class:`DiffView` — what ``ckptlib.diff`` found: statuses, the table, the relative change per layer.
 
-The figures are also available as plain functions (``layout_figure``, ``file_sizes_figure``), and the
+The figures are also available as plain functions (``layout_figure``, ``file_sizes_figure``,
+``norms_figure``, ``diff_figure``), and the
 path helpers (``find_path``, ``sample_checkpoint``) resolve notebook parameters robustly.
 """
 from .browser import CheckpointBrowser
+from .diff_view import DiffView, diff_figure, diff_table_html
 from .common import ErrorArea, WidgetObserver, find_path, notebook_setup, sample_checkpoint
 from .figures import (file_sizes_figure, file_table_html, layout_figure, layout_panels, parameters_html, problems_html,
                       summary_html, table_html, where_html, where_is)
+from .health_view import HealthView, health_table_html, norms_figure
 from .layout_view import LayoutView
 from .monitor import MemoryMonitor
 from .plots import figure_png, memory_figure, new_figure, plot_memory
@@ -25,4 +30,5 @@ from .wizards import ExportWizard, ReshardWizard, checks_html
 __all__ = ["CheckpointBrowser", "LayoutView", "ExportWizard", "ReshardWizard", "MemoryMonitor", "ErrorArea",
            "WidgetObserver", "find_path", "notebook_setup", "sample_checkpoint", "file_sizes_figure", "file_table_html",
            "layout_figure", "layout_panels", "parameters_html", "problems_html", "summary_html", "table_html",
-           "where_html", "where_is", "checks_html", "memory_figure", "plot_memory", "figure_png", "new_figure"]
+           "where_html", "where_is", "checks_html", "memory_figure", "plot_memory", "figure_png", "new_figure",
+           "HealthView", "health_table_html", "norms_figure", "DiffView", "diff_figure", "diff_table_html"]

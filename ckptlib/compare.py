@@ -1,0 +1,351 @@
+"""Streaming range lists window by window, and comparing two of them: the engine that :mod:`ckptlib.verify`,
+:mod:`ckptlib.health` and :mod:`ckptlib.tensordiff` share.
+
+- :class:`WindowReader` reads consecutive windows of a range list (:mod:`ckptlib.ranges`) into two
+  reusable buffers, the next window in a background thread while the caller works on the current one.
+- :class:`Comparer` streams two range lists side by side: :meth:`Comparer.equal` (bit for bit, both cast
+  to one dtype; what ``verify`` checks) and :meth:`Comparer.difference` (floating values compared in
+  fp32, integer and bool ones exactly; what ``ckpt diff`` reports). Windows whose bytes are identical
+  are passed over without arithmetic.
+
+Memory: a reader holds two buffers of ``slot_bytes``; a comparer two readers and four work buffers, all
+of ``chunk_bytes / 4`` (2 ``chunk_bytes`` in all), whatever the tensor sizes.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+from .dtypes import is_floating, itemsize, torch_dtype
+from .progress import check_cancel
+from .ranges import StoredRange, Zeros, numel
+from .sources import SourceFiles
+from .streaming import DEFAULT_CHUNK_BYTES
+
+
+def stored_dtype(ranges: Sequence, default: str = "float32") -> str:
+    """The dtype the stored ranges hold (the first one's; ``default`` for zeros only)."""
+    return next((r.dtype for r in ranges if isinstance(r, StoredRange)), default)
+
+
+class RangeIndex:
+    """A range list with the start of each range, for slicing it quickly (bisect, not a scan)."""
+
+    def __init__(self, ranges: Sequence):
+        self.ranges = list(ranges)
+        self.starts, pos = [], 0
+        for r in self.ranges:
+            self.starts.append(pos)
+            pos += r.count
+        self.numel = pos
+
+    def slice(self, start: int, count: int) -> list:
+        """The ranges covering elements ``[start, start+count)``."""
+        out, i, end = [], max(0, bisect.bisect_right(self.starts, start) - 1), start + count
+        while count and i < len(self.ranges) and self.starts[i] < end:
+            r, lo = self.ranges[i], self.starts[i]
+            a, b = max(lo, start), min(lo + r.count, end)
+            if a < b:
+                out.append(Zeros(b - a) if isinstance(r, Zeros) else r.sub(a - lo, b - a))
+            i += 1
+        if numel(out) != count:
+            raise IndexError(f"ranges hold {self.numel} elements; [{start}, {end}) is out of bounds")
+        return out
+
+    def spans(self, step: int, split: bool = False) -> list[tuple[int, int]]:
+        """Windows ``(start, count)`` of at most ``step`` elements covering everything; with ``split`` no
+        window crosses from one range into the next (so each lies in one file)."""
+        if not split:
+            return [(s, min(step, self.numel - s)) for s in range(0, self.numel, step)]
+        return [(lo + i, min(step, r.count - i)) for lo, r in zip(self.starts, self.ranges)
+                for i in range(0, r.count, step)]
+
+
+def _bytes(t) -> memoryview:
+    import torch
+
+    return memoryview(t.view(torch.uint8).numpy())
+
+
+class WindowReader:
+    """Reads windows of range lists into two reusable buffers of ``slot_bytes``, one window ahead.
+
+    Memory: ``2 * slot_bytes`` (plus a temporary for a range stored in another dtype than asked, which
+    real checkpoints never have).
+    """
+
+    def __init__(self, files: SourceFiles, slot_bytes: int, drop_cache: bool = True):
+        import torch
+
+        self.files, self.slot_bytes, self.drop_cache = files, max(16, slot_bytes), drop_cache
+        self._slots = [torch.empty(self.slot_bytes, dtype=torch.uint8) for _ in range(2)]
+        self._pool: Optional[ThreadPoolExecutor] = None
+
+    def _fill(self, pieces: list, dtype: str, slot: int):
+        import torch
+
+        out = self._slots[slot][:numel(pieces) * itemsize(dtype)].view(torch_dtype(dtype))
+        pos = 0
+        for r in pieces:
+            dst = out[pos:pos + r.count]
+            if isinstance(r, Zeros):
+                dst.zero_()
+            elif r.dtype == dtype:
+                self.files.read_into(r.path, r.offset, _bytes(dst))
+            else:
+                tmp = torch.empty(r.count, dtype=torch_dtype(r.dtype))
+                self.files.read_into(r.path, r.offset, _bytes(tmp))
+                dst.copy_(tmp)
+            if self.drop_cache and isinstance(r, StoredRange):
+                self.files.drop_cache(r.path, r.offset, r.nbytes)
+            pos += r.count
+        return out
+
+    def windows(self, index: RangeIndex, dtype: str, spans: Sequence[tuple[int, int]]) -> Iterator[tuple[int, Any]]:
+        """``(start, values)`` for each span: a 1-D tensor of ``dtype`` that stays valid until the next one is
+        asked for. Each span must fit a slot (``count * itemsize(dtype) <= slot_bytes``)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptlib-window")
+        ahead: dict[int, Any] = {}
+
+        def submit(i: int) -> None:
+            if i < len(spans):
+                s, k = spans[i]
+                ahead[i] = self._pool.submit(self._fill, index.slice(s, k), dtype, i % 2)
+
+        submit(0)
+        try:
+            for i, (s, _) in enumerate(spans):
+                values = ahead.pop(i).result()
+                submit(i + 1)  # into the other slot, while the caller works on this one
+                yield s, values
+        finally:
+            for fut in ahead.values():  # let a read in flight finish before its slot is used again
+                fut.cancel() or fut.exception()
+
+    def read(self, index: RangeIndex, dtype: str, start: int, count: int):
+        """One window, read now (into slot 0)."""
+        return self._fill(index.slice(start, count), dtype, 0)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+SERIAL = 1 << 15  # torch's grain size: copies of at most this many elements stay on the calling thread
+
+
+def serial_copy(dst, src) -> None:
+    """``dst.copy_(src)`` (a cast) on the calling thread, in slices below torch's parallel grain size: on
+    a few shared cores torch's thread pool makes one large cast several times slower than this."""
+    n = src.numel()
+    for i in range(0, n, SERIAL):
+        dst[i:i + SERIAL].copy_(src[i:i + SERIAL])
+
+
+def as_numpy(t):
+    """A numpy view of a CPU tensor (bfloat16, which numpy lacks, as its 16-bit integers)."""
+    import torch
+
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+
+
+def same_bytes(x, y) -> bool:
+    """Whether two tensors hold the same bytes (compared as the widest integers that divide their size;
+    numpy, single-threaded: several times faster than torch.equal here)."""
+    import numpy as np
+
+    if x.dtype != y.dtype or x.numel() != y.numel():
+        return False
+    a, b = as_numpy(x).view(np.uint8), as_numpy(y).view(np.uint8)
+    wide = next(t for t, s in ((np.int64, 8), (np.int32, 4), (np.int16, 2), (np.uint8, 1)) if a.size % s == 0)
+    return bool(np.array_equal(a.view(wide), b.view(wide)))
+
+
+@dataclass
+class PairDiff:
+    """How two tensors' values differ: ``changed`` elements (outside the tolerance; ``nonfinite`` of them
+    are NaN or Inf on one side and not the same on the other), the largest ``|a - b|`` over the elements
+    finite on both sides, and the float64 sums of squares of ``a - b`` and of ``a`` over those elements."""
+
+    numel: int = 0
+    changed: int = 0
+    nonfinite: int = 0
+    max_abs_diff: float = 0.0
+    sumsq_diff: float = 0.0
+    sumsq_a: float = 0.0
+
+    @property
+    def rel_diff(self) -> float:
+        """``||a - b|| / ||a||`` (0 when both are 0; inf when only ``a`` is)."""
+        if self.sumsq_diff == 0:
+            return 0.0
+        return math.sqrt(self.sumsq_diff) / math.sqrt(self.sumsq_a) if self.sumsq_a > 0 else math.inf
+
+
+class Comparer:
+    """Streams pairs of range lists chunk by chunk (each side read one window ahead) and compares them.
+
+    ``compared`` counts the bytes compared (both sides, in the dtype compared); ``progress(nbytes)`` is
+    called with the bytes of each window; ``cancel`` (anything with ``is_set()``) stops at the next one.
+    """
+
+    def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES, progress: Callable[[int], None] = lambda n: None,
+                 cancel: Any = None, files: Optional[SourceFiles] = None):
+        import torch
+
+        self.own_files = files is None
+        self.files = files or SourceFiles()
+        self.slot_bytes = max(64, chunk_bytes // 32 * 8)  # a multiple of 8: float64 work views
+        self.readers = (WindowReader(self.files, self.slot_bytes), WindowReader(self.files, self.slot_bytes))
+        self.work = [torch.empty(self.slot_bytes, dtype=torch.uint8) for _ in range(4)]  # pages touched when used
+        self.progress, self.cancel = progress, cancel
+        self.compared = 0
+
+    def _pairs(self, a: Sequence, b: Sequence, dtypes: tuple[str, str]) -> Iterator[tuple[int, Any, Any]]:
+        ia, ib = RangeIndex(a), RangeIndex(b)
+        step = max(1, self.slot_bytes // max(8, *(itemsize(d) for d in dtypes)))
+        spans = ia.spans(step)
+        wa = self.readers[0].windows(ia, dtypes[0], spans)
+        wb = self.readers[1].windows(ib, dtypes[1], spans)
+        try:
+            for (s, x), (_, y) in zip(wa, wb):
+                check_cancel(self.cancel)
+                yield s, x, y
+        finally:
+            wa.close()
+            wb.close()
+
+    def equal(self, a: Sequence, b: Sequence, dtype: str) -> bool:
+        """Whether ranges ``a`` and ``b``, both cast to ``dtype``, hold the same bits."""
+        if numel(a) != numel(b):
+            return False
+        size = itemsize(dtype)
+        for _, x, y in self._pairs(a, b, (stored_dtype(a, dtype), stored_dtype(b, dtype))):
+            k = x.numel()
+            x, y = self._as(x, dtype, 0), self._as(y, dtype, 1)
+            self.compared += 2 * k * size
+            self.progress(k * size)
+            if not same_bytes(x, y):
+                return False
+        return True
+
+    def _as(self, t, dtype: str, slot: int):
+        """``t`` as ``dtype`` (itself, or cast into work buffer ``slot``)."""
+        if t.dtype == torch_dtype(dtype):
+            return t
+        out = self.work[slot][:t.numel() * itemsize(dtype)].view(torch_dtype(dtype))
+        serial_copy(out, t)
+        return out
+
+    def difference(self, a: Sequence, b: Sequence, atol: float = 0.0, rtol: float = 0.0) -> PairDiff:
+        """How ``b`` differs from ``a`` (same element count): floating values compared in fp32 (``a - b``
+        computed in fp32 as torch does; NaN equals NaN, an infinity itself), integer and bool ones exactly
+        when both sides are; an element is changed when ``|a - b| > atol + rtol * |b|`` (torch.isclose's
+        rule). The sums of squares are accumulated in float64."""
+        import numpy as np
+        import torch
+
+        if numel(a) != numel(b):
+            raise ValueError(f"{numel(a)} and {numel(b)} elements cannot be compared")
+        da, db = stored_dtype(a), stored_dtype(b)
+        exact = not is_floating(da) and not is_floating(db)
+        out = PairDiff(numel=numel(a))
+        identical = []  # windows passed over: their ||a||^2 is only needed if another window differs
+        for s, x, y in self._pairs(a, b, (da, db)):
+            k = x.numel()
+            self.compared += k * (x.element_size() + y.element_size())
+            self.progress(k * x.element_size())
+            if same_bytes(x, y):
+                identical.append((s, k))
+            elif exact:
+                self._exact(out, x, y)
+            else:
+                self._floating(out, self._fp32(x, 1), self._fp32(y, 2), atol, rtol)
+        if out.changed or out.sumsq_diff:
+            index, dtype = RangeIndex(a), stored_dtype(a)
+            w = self.work[0].view(torch.float64).numpy()
+            for s, k in identical:  # ||a|| over the windows passed over
+                x = self._fp32(self.readers[0].read(index, dtype, s, k), 1)
+                np.copyto(w[:k], x)
+                np.nan_to_num(w[:k], copy=False, nan=0.0, posinf=0.0, neginf=0.0)
+                out.sumsq_a += float(np.einsum("i,i->", w[:k], w[:k]))
+        return out
+
+    def _fp32(self, t, slot: int):
+        """``t`` as fp32 (a numpy array): itself, or cast into work buffer ``slot``."""
+        import numpy as np
+        import torch
+
+        if t.dtype == torch.float32:
+            return t.numpy()
+        out = self.work[slot][:t.numel() * 4].view(torch.float32)
+        if t.dtype == torch.bfloat16:
+            serial_copy(out, t)
+        else:
+            np.copyto(out.numpy(), t.numpy(), casting="unsafe")
+        return out.numpy()
+
+    def _sumsq(self, a) -> float:
+        """The float64 sum of squares of numpy array ``a`` (through work buffer 0)."""
+        import numpy as np
+        import torch
+
+        w = self.work[0][:a.size * 8].view(torch.float64).numpy()
+        np.copyto(w, a)
+        return float(np.einsum("i,i->", w, w))  # single-threaded: no BLAS thread pool
+
+    def _floating(self, out: PairDiff, a, b, atol: float, rtol: float) -> None:
+        """Add one window of fp32 values (numpy arrays; they may be overwritten) to ``out``."""
+        import numpy as np
+        import torch
+
+        d = self.work[3][:a.size * 4].view(torch.float32).numpy()
+        np.subtract(a, b, out=d)  # in fp32, as torch computes a - b
+        sa, sd = self._sumsq(a), self._sumsq(d)
+        if not (math.isfinite(sa) and math.isfinite(sd)):  # NaN or Inf on a side (or an fp32 overflow)
+            finite = np.isfinite(a) & np.isfinite(b)
+            same = (np.isnan(a) & np.isnan(b)) | (np.isinf(a) & (a == b))
+            bad = int(np.count_nonzero(~finite & ~same))
+            out.changed += bad
+            out.nonfinite += bad
+            a[~finite] = 0.0
+            d[~finite] = 0.0
+            sa, sd = self._sumsq(a), self._sumsq(d)
+        out.sumsq_a += sa
+        out.sumsq_diff += sd
+        out.max_abs_diff = max(out.max_abs_diff, -float(d.min()), float(d.max()))
+        if atol == 0 and rtol == 0:
+            out.changed += int(np.count_nonzero(d != 0))
+        else:
+            bound = self.work[2][:b.size * 4].view(torch.float32).numpy()
+            np.abs(b, out=bound)
+            bound *= rtol
+            bound += atol
+            np.abs(d, out=d)
+            out.changed += int(np.count_nonzero(d > bound))
+
+    @staticmethod
+    def _exact(out: PairDiff, x, y) -> None:
+        """Add one window of integer or bool values to ``out`` (compared exactly, as int64)."""
+        import torch
+
+        d = x.to(torch.int64) - y.to(torch.int64)
+        out.changed += int(torch.count_nonzero(d))
+        dd, xa = d.double(), x.double()
+        out.max_abs_diff = max(out.max_abs_diff, float(dd.abs().max()))
+        out.sumsq_diff += float(torch.dot(dd, dd))
+        out.sumsq_a += float(torch.dot(xa, xa))
+
+    def close(self) -> None:
+        for r in self.readers:
+            r.close()
+        if self.own_files:
+            self.files.close()
+
+
+__all__ = ["stored_dtype", "RangeIndex", "WindowReader", "serial_copy", "as_numpy", "same_bytes", "PairDiff", "Comparer"]

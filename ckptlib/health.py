@@ -1,0 +1,389 @@
+"""Checkpoint health: statistics of every fp32 master (and optimizer state), and what is wrong.
+
+    plan = ckptlib.plan_check("CKPT", states=True)    # metadata only: tensors, byte ranges, steps, padding
+    print(plan.describe())
+    result = ckptlib.check(plan)                      # streams every tensor once, window by window
+    print(result.describe()); result.ok; result.problems; result.to_dict()   # what `ckpt check --json` prints
+
+Per tensor: ``numel``, ``nan``, ``inf``, ``zeros``, ``min``, ``max``, ``mean``, ``std`` (sample, as
+torch.std), ``norm`` (L2), accumulated in float64 (:mod:`ckptlib.tensorstats`). Problems, each naming the
+tensor and the file it lives in: NaN or Inf values; an Adam ``exp_avg_sq`` below zero; a saved 16-bit
+weight that is not the fp32 master cast to the training dtype (checkpoints holding both: ZeRO-0/1/2,
+BF16_Optimizer; compared while the master streams, so it is read once); optimizer steps that differ
+between ranks or (sub-)groups; padding the files record over parameter elements
+(:mod:`ckptlib.healthrules`). Pipeline, tensor-parallel and MoE checkpoints are checked in every ZeRO
+set (each stage, each tensor rank, experts in their expert data-parallel groups); a tensor stored more
+than once (a tied layer on several stages, a tensor replicated across tensor ranks) has its statistics
+taken from the copy the model reads, and every further copy is streamed beside it: NaN/Inf in it, or
+bytes that differ from the first, are problems too. The checkpoint is only read.
+
+Memory: ``plan.predicted_peak_bytes`` (three chunks of reusable buffers), whatever the tensor sizes.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Optional, Union
+
+from .compare import RangeIndex, WindowReader, as_numpy, same_bytes, serial_copy, stored_dtype
+from .deepspeed import Checkpoint, open_checkpoint
+from .dtypes import itemsize, torch_dtype
+from .healthrules import StatsItem, StepItem, file_labels, layout_problems, stats_items, step_items
+from .memory import MemoryReport, watch_memory
+from .plan import SourceRef
+from .progress import Observer, check_cancel
+from .ranges import stored_bytes
+from .scan import Problem, json_ready, num, progress_to, scan_peak_bytes
+from .sources import SourceFiles, check_unchanged
+from .streaming import DEFAULT_CHUNK_BYTES
+from .tensorstats import RunningStats, TensorStats
+from .units import human_bytes
+
+
+@dataclass(kw_only=True)
+class CheckPlan:
+    """What a check reads, decided from metadata (plain data): ``items`` (the tensors to stream),
+    ``steps`` (the optimizer steps to compare), ``problems`` found from the metadata already (padding),
+    ``labels`` (each file's path as the user sees it)."""
+
+    action: ClassVar[str] = "check"
+    source: SourceRef
+    items: list
+    steps: list
+    problems: list
+    labels: dict
+    states: bool = False
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    notes: list = field(default_factory=list)
+
+    @property
+    def read_bytes(self) -> int:
+        return sum(stored_bytes(i.ranges) + stored_bytes(i.lowp) + sum(stored_bytes(a) + stored_bytes(b)
+                                                                        for _, a, b in i.replicas)
+                   for i in self.items) + sum(stored_bytes(s.ranges) for s in self.steps)
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        return scan_peak_bytes(self.chunk_bytes)
+
+    def describe(self) -> str:
+        src = self.source
+        lowp = sum(1 for i in self.items if i.lowp)
+        copies = sum(len(i.replicas) for i in self.items)
+        lines = [f"check {src.tag_dir}",
+                 f"ZeRO {src.zero_stage} ({src.flavor}), {src.dtype}, {src.ranks} ranks; {len(self.items)} tensors"
+                 + (" (fp32 masters and optimizer states)" if self.states else " (fp32 masters)")
+                 + (f", {lowp} saved {src.dtype} weights compared with their masters" if lowp else "")
+                 + (f", {copies} further copies (tied or replicated) compared with the first" if copies else "")
+                 + f", {len(self.steps)} optimizer steps",
+                 f"reads {human_bytes(self.read_bytes)} of {human_bytes(src.total_bytes)}; writes nothing",
+                 f"predicted peak memory: {human_bytes(self.predicted_peak_bytes)} "
+                 f"({human_bytes(self.chunk_bytes)} chunks; independent of the model size)"]
+        lines += [f"problem: {p}" for p in self.problems]
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {"action": "check", "source": self.source.tag_dir, "states": self.states,
+                "tensors": [{"name": i.key, "kind": i.kind, "dtype": i.dtype, "shape": list(i.shape),
+                             "read_bytes": stored_bytes(i.ranges), "compared_with": i.lowp_dtype} for i in self.items],
+                "steps": len(self.steps), "problems": [p.to_dict() for p in self.problems],
+                "read_bytes": self.read_bytes, "predicted_peak_bytes": self.predicted_peak_bytes,
+                "notes": list(self.notes)}
+
+    def _repr_pretty_(self, p, cycle):
+        p.text(self.describe())
+
+
+@dataclass
+class CheckResult:
+    """What a check found: per-tensor statistics, the problems, the bytes read, time and memory."""
+
+    source: str
+    tensors: list
+    problems: list
+    bytes_read: int
+    seconds: float
+    memory: Optional[MemoryReport] = None
+    steps: dict = field(default_factory=dict)  # {(mp rank, dp rank, group): step}
+    plan: Optional[CheckPlan] = field(default=None, repr=False)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def tensor(self, key: str) -> TensorStats:
+        for t in self.tensors:
+            if t.key == key:
+                return t
+        raise KeyError(key)
+
+    def to_dict(self) -> dict:
+        """The JSON of ``ckpt check --json`` (NaN and Inf, i.e. undefined values, as null)."""
+        return json_ready({"source": self.source, "tensors": [t.to_dict() for t in self.tensors],
+                           "problems": [p.to_dict() for p in self.problems], "bytes_read": self.bytes_read,
+                           "seconds": self.seconds,
+                           "steps": [{"mp_rank": m, "rank": r, "group": g, "step": v}
+                                     for (m, r, g), v in sorted(self.steps.items())]})
+
+    def describe(self) -> str:
+        w = max([len(t.key) for t in self.tensors] + [6])
+        head = (f"{'tensor':<{w}} {'numel':>11} {'nan':>6} {'inf':>6} {'zeros':>9} {'min':>10} {'max':>10} "
+                f"{'mean':>10} {'std':>10} {'norm':>10}")
+        lines = [head]
+        for t in self.tensors:
+            lines.append(f"{t.key:<{w}} {num(t.numel, 11)} {num(t.nan, 6)} {num(t.inf, 6)} {num(t.zeros, 9)} "
+                         f"{num(t.min)} {num(t.max)} {num(t.mean)} {num(t.std)} {num(t.norm)}")
+        lines.append("")
+        lines += [f"PROBLEM {p}" for p in self.problems]
+        verdict = "healthy" if self.ok else f"{len(self.problems)} problem(s) found"
+        lines.append(f"{verdict}: {len(self.tensors)} tensors of {self.source} checked "
+                     f"({human_bytes(self.bytes_read)} read in {self.seconds:.1f} s)")
+        return "\n".join(lines)
+
+    def _repr_pretty_(self, p, cycle):
+        p.text(self.describe())
+
+
+# ============================================================================================ planning
+def plan_check(checkpoint: Union[Checkpoint, str, os.PathLike], *, tag: Optional[str] = None, states: bool = False,
+               chunk_bytes: int = DEFAULT_CHUNK_BYTES, tp_rules: Union[str, os.PathLike, None] = None) -> CheckPlan:
+    """Plan the health check of a checkpoint (metadata only: no tensor data is read).
+
+    Args:
+        checkpoint: an opened :class:`Checkpoint` or a path for :func:`open_checkpoint`.
+        tag: the tag when ``checkpoint`` is a path.
+        states: also every per-element optimizer state (``exp_avg``, ``exp_avg_sq``, ...).
+        chunk_bytes: the streaming chunk; the memory bound follows from it.
+        tp_rules: for a tensor-parallel checkpoint saved without ``universal_checkpoint_info``: how its
+            shards join (as for :func:`open_checkpoint`).
+    """
+    ck = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, tag=tag,
+                                                                                tp_rules=tp_rules)
+    ck.check_readable()
+    notes: list = []
+    if len(ck.sets) > 1:
+        notes.append(f"{len(ck.sets)} model-parallel ranks ({ck.kind.replace('_', ' ')}): steps, padding and saved "
+                     "16-bit weights are compared in every stage / tensor rank's files; a tensor stored on several "
+                     "of them is read (and its statistics taken) from the first")
+    labels = file_labels(ck)
+    items = stats_items(ck, states, notes)
+    steps = step_items(ck, notes)
+    problems = layout_problems(ck, labels, notes)
+    return CheckPlan(source=ck.source_ref(), items=items, steps=steps, problems=problems, labels=labels,
+                     states=states, chunk_bytes=chunk_bytes, notes=notes)
+
+
+# ============================================================================================ running
+class _Scanner:
+    """Streams stats items window by window: statistics, per-file tallies, the saved 16-bit weights, and
+    the further copies of replicated tensors.
+
+    Memory: a float64 work window, two readers of two fp32 windows each and a 16-bit cast window: 26
+    bytes per window element, with ``chunk_bytes / 9`` elements per window (under ``3 * chunk_bytes``)."""
+
+    def __init__(self, plan: CheckPlan, files: SourceFiles, progress, cancel):
+        import torch
+
+        self.plan, self.progress, self.cancel = plan, progress, cancel
+        self.step = max(1, plan.chunk_bytes // 9)  # elements per window
+        self.work = torch.empty(self.step * 8, dtype=torch.uint8).view(torch.float64)
+        self.master = WindowReader(files, self.step * 4)
+        second = any(i.lowp or i.replicas for i in plan.items)
+        self.second = WindowReader(files, self.step * 4) if second else None  # saved weights, replicas
+        self.cast = torch.empty(self.step * 2, dtype=torch.uint8) if second else None
+
+    def label(self, path: str) -> str:
+        return self.plan.labels.get(path, path)
+
+    def scan(self, item: StatsItem, problems: list) -> TensorStats:
+        index, dtype = RangeIndex(item.ranges), stored_dtype(item.ranges)
+        lowp_index = RangeIndex(item.lowp) if item.lowp else None
+        step = min(self.step, self.master.slot_bytes // itemsize(dtype))
+        spans = joint_spans(index, lowp_index, step)  # each window in one file on each side
+        stats, tally, mismatched = RunningStats(), {}, {}
+        windows = self.master.windows(index, dtype, spans)
+        lowp = self.second.windows(lowp_index, item.lowp_dtype, spans) if item.lowp else None
+        try:
+            for s, x in windows:
+                check_cancel(self.cancel)
+                path = getattr(index.slice(s, 1)[0], "path", "")  # zeros (padding) hold no NaN
+                nan, inf, neg = stats.add(x, self.work, count_negative=item.state == "exp_avg_sq")
+                if nan or inf or neg:
+                    t = tally.setdefault(path, [0, 0, 0])
+                    t[0], t[1], t[2] = t[0] + nan, t[1] + inf, t[2] + neg
+                if lowp is not None:
+                    _, y = next(lowp)
+                    bad = self._mismatches(x, y)
+                    if bad:
+                        where = getattr(lowp_index.slice(s, 1)[0], "path", "")
+                        mismatched[where] = mismatched.get(where, 0) + bad
+                self.progress(x.numel() * x.element_size() + (x.numel() * itemsize(item.lowp_dtype) if lowp else 0))
+        finally:
+            windows.close()
+            if lowp is not None:
+                lowp.close()
+        for path, (nan, inf, neg) in tally.items():
+            if nan or inf:
+                problems.append(Problem(item.key, self.label(path), f"{nan} NaN and {inf} Inf values (of "
+                                        f"{stats.total:,}) in this file's part of the tensor"))
+            if neg:
+                problems.append(Problem(item.key, self.label(path), f"{neg} values below zero: Adam's exp_avg_sq "
+                                        "(a running mean of squared gradients) is never negative"))
+        for path, bad in mismatched.items():
+            problems.append(Problem(item.key, self.label(path),
+                                    f"the saved {item.lowp_dtype} weight differs from the fp32 master cast to "
+                                    f"{item.lowp_dtype} at {bad:,} of {stats.total:,} elements"))
+        for what, first, copy in item.replicas:
+            problems += self._replica(item.key, what, first, copy)
+        return stats.result(item.key, item.kind, item.dtype, item.shape, sorted({self.label(r.path)
+                                                                                for r in item.ranges
+                                                                                if hasattr(r, "path")}))
+
+    def _replica(self, key: str, what: str, first: tuple, copy: tuple) -> list[Problem]:
+        """Problems of one further copy of a tensor: NaN or Inf in it, bytes that differ from the first copy
+        (both streamed side by side; windows with identical bytes cost one comparison)."""
+        import numpy as np
+
+        a, b = RangeIndex(first), RangeIndex(copy)
+        file = self.label(getattr(next((r for r in copy if hasattr(r, "path")), None), "path", ""))
+        if a.numel != b.numel:
+            return [Problem(key, file, f"{what}: this copy holds {b.numel:,} elements, the first {a.numel:,}")]
+        dtype = stored_dtype(first)
+        step = min(self.step, self.master.slot_bytes // itemsize(dtype))
+        spans = joint_spans(b, a, step)
+        differ, bad = {}, {}
+        wa, wb = self.master.windows(a, dtype, spans), self.second.windows(b, dtype, spans)
+        try:
+            for (s, x), (_, y) in zip(wa, wb):
+                check_cancel(self.cancel)
+                self.progress(2 * x.numel() * x.element_size())
+                if same_bytes(x, y):
+                    continue
+                path = getattr(b.slice(s, 1)[0], "path", "")
+                differ[path] = differ.get(path, 0) + self._mismatches(x, y)
+                w = self.work[:y.numel()]
+                serial_copy(w, y)
+                v = w.numpy()
+                nan, inf = int(np.count_nonzero(np.isnan(v))), int(np.count_nonzero(np.isinf(v)))
+                if nan or inf:
+                    t = bad.setdefault(path, [0, 0])
+                    t[0], t[1] = t[0] + nan, t[1] + inf
+        finally:
+            wa.close()
+            wb.close()
+        out = [Problem(key, self.label(p), f"{nan} NaN and {inf} Inf values (of {b.numel:,}) in this file's copy "
+                       f"of the tensor ({what})") for p, (nan, inf) in bad.items()]
+        out += [Problem(key, self.label(p), f"this file's copy differs from the first ({what}) at {n:,} of "
+                        f"{b.numel:,} elements: those ranks hold different values") for p, n in differ.items()]
+        return out
+
+    def _mismatches(self, x, y) -> int:
+        """Elements of master window ``x`` that, cast to the saved weight's dtype, differ from ``y``."""
+        import numpy as np
+
+        if x.dtype != y.dtype:
+            cast = self.cast[:x.numel() * y.element_size()].view(y.dtype)
+            serial_copy(cast, x)
+            x = cast
+        if same_bytes(x, y):
+            return 0
+        bits = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[y.element_size()]
+        return int(np.count_nonzero(as_numpy(x).view(bits) != as_numpy(y).view(bits)))
+
+    def close(self) -> None:
+        self.master.close()
+        if self.second is not None:
+            self.second.close()
+
+
+def joint_spans(a: RangeIndex, b: Optional[RangeIndex], step: int) -> list[tuple[int, int]]:
+    """Windows ``(start, count)`` of at most ``step`` elements over ``a``, none crossing from one range
+    into the next in ``a`` or in ``b`` (an index of as many elements), so each lies in one file on each side."""
+    if b is None:
+        return a.spans(step, split=True)
+    cuts = sorted(set(a.starts) | set(b.starts) | {a.numel})
+    return [(s, min(step, hi - s)) for lo, hi in zip(cuts, cuts[1:]) for s in range(lo, hi, step)]
+
+
+def read_steps(steps: list[StepItem], files: SourceFiles) -> dict:
+    """``{(mp rank, dp rank, group): step}`` read from the files."""
+    import torch
+
+    out = {}
+    for s in steps:
+        if s.ranges:
+            r = s.ranges[0]
+            t = torch.empty(1, dtype=torch_dtype(r.dtype))
+            files.read_into(r.path, r.offset, memoryview(t.view(torch.uint8).numpy()))
+            out[s.key] = float(t[0])
+        else:
+            out[s.key] = s.value
+    return out
+
+
+def step_problems(steps: list[StepItem], values: dict, labels: dict, zero3: bool) -> list[Problem]:
+    """A problem for each rank and (sub-)group whose step is not the one most hold (rank 0's on a tie)."""
+    if len(set(values.values())) <= 1:
+        return []
+    counts = Counter(values.values())
+    first = values[min(values)]
+    common = max(counts, key=lambda v: (counts[v], v == first))
+    what = "sub-group" if zero3 else "group"
+    out = []
+    for s in steps:
+        v = values[s.key]
+        if v != common and not (math.isnan(v) and math.isnan(common)):
+            out.append(Problem("step", labels.get(s.file, s.file), f"the optimizer step of {what} {s.group} on "
+                               f"{s.where or f'dp rank {s.rank}'} is {v:g}; the other ranks and {what}s hold "
+                               f"{common:g} ({counts[common]} of {len(values)})"))
+    return out
+
+
+def check(checkpoint: Union[CheckPlan, Checkpoint, str, os.PathLike], *, observer: Optional[Observer] = None,
+          cancel: Any = None, **options) -> CheckResult:
+    """Check a checkpoint's health (see the module docstring); ``checkpoint`` is a plan from
+    :func:`plan_check`, or what it takes (with its ``options``: ``tag``, ``states``, ``chunk_bytes``).
+
+    Args:
+        observer: receives progress over the bytes read (:class:`~ckptlib.progress.Observer`).
+        cancel: a ``threading.Event``; setting it stops the check (:class:`~ckptlib.errors.Cancelled`).
+
+    Memory: ``plan.predicted_peak_bytes``. The checkpoint is only read; it must not change meanwhile.
+    """
+    plan = checkpoint if isinstance(checkpoint, CheckPlan) else plan_check(checkpoint, **options)
+    import numpy  # noqa: F401 - imported before the clock and the memory watch start: a first import
+    import torch  # noqa: F401   (about 140 MiB, once per process) is not the run's memory or time
+
+    observer = observer or Observer()
+    t0 = time.perf_counter()
+    try:
+        with watch_memory() as watch:
+            observer.on_start(plan)
+            check_unchanged(plan.source.stamps)
+            problems = list(plan.problems)
+            with SourceFiles() as files:
+                scanner = _Scanner(plan, files, progress_to(observer, plan.read_bytes), cancel)
+                try:
+                    tensors = []
+                    for item in plan.items:
+                        observer.on_tensor(item.key)
+                        tensors.append(scanner.scan(item, problems))
+                finally:
+                    scanner.close()
+                values = read_steps(plan.steps, files)
+                problems += step_problems(plan.steps, values, plan.labels, plan.source.zero_stage == 3)
+                read = files.stats.bytes_read
+    except BaseException as e:
+        observer.on_error(e)
+        raise
+    result = CheckResult(source=plan.source.tag_dir, tensors=tensors, problems=problems, bytes_read=read,
+                         seconds=time.perf_counter() - t0, memory=watch.report, steps=values, plan=plan)
+    observer.on_finish(result)
+    return result
+
+
+__all__ = ["CheckPlan", "CheckResult", "plan_check", "check", "Problem", "TensorStats"]

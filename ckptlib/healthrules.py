@@ -1,0 +1,292 @@
+"""What ``ckpt check`` looks at, decided from a checkpoint's metadata (plain data for the plan).
+
+- :func:`stats_items`: every fp32 master (and frozen parameter as stored), with ``states`` every
+  per-element optimizer state, as range lists; beside each master, where the saved 16-bit weight is
+  when the checkpoint holds both (ZeRO-0/1/2, BF16_Optimizer), to compare it with the master cast to
+  the training dtype while the master streams.
+- :func:`step_items`: the optimizer step of every rank and (sub-)group: a number, or where its tensor is.
+- :func:`layout_problems`: what the files record about padding (``group_paddings``,
+  ``param_slice_mappings``, the lengths of the optimizer states) against the layout arithmetic of
+  :mod:`ckptlib.layout`, so that no padding region covers parameter elements.
+
+Steps and padding are looked at in every ZeRO set (each pipeline stage, each tensor rank); an MoE
+expert group is partitioned over its expert data-parallel group (``partition_count`` of that group),
+so a data rank ``r`` holds partition ``r // ep`` of its experts. Nothing here reads tensor data.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from .deepspeed import NO_ZERO, Checkpoint
+from .deepspeed.join import PIPELINE
+from .deepspeed.moe import global_name
+from .dtypes import is_floating
+from .errors import IncompleteCheckpointError
+from .scan import Problem
+from .torchzip import TensorHandle
+
+
+@dataclass(frozen=True)
+class StatsItem:
+    """One tensor to stream: ``key`` (name, or ``<state>/<name>``), ``kind`` (``trainable``, ``frozen``,
+    ``state``), stored dtype, shape, ranges; ``lowp``: the ranges of the saved 16-bit (training dtype)
+    weight of a master, compared with the master cast to ``lowp_dtype``; ``replicas``: ``(what, ranges,
+    replica ranges)`` for each further copy another stage or tensor rank stores (a tied layer on several
+    stages, a tensor replicated across tensor ranks), which must hold the same bytes."""
+
+    key: str
+    kind: str
+    dtype: str
+    shape: tuple
+    ranges: tuple
+    state: Optional[str] = None
+    lowp: tuple = ()
+    lowp_dtype: Optional[str] = None
+    replicas: tuple = ()
+
+
+@dataclass(frozen=True)
+class StepItem:
+    """The optimizer step of ``group`` on data rank ``rank`` of model-parallel rank ``mp`` (its stage or
+    tensor rank; ``where`` says which, e.g. ``pp 1, dp rank 0``), in file ``file``: ``value`` when it is
+    a number, else the range of its one-element tensor."""
+
+    rank: int
+    group: int
+    file: str
+    value: Optional[float] = None
+    ranges: tuple = ()
+    mp: int = 0
+    where: str = ""
+
+    @property
+    def key(self) -> tuple:
+        return self.mp, self.rank, self.group
+
+
+def file_labels(ck: Checkpoint) -> dict:
+    """``{absolute path: path relative to what the user gave}`` for every file of the checkpoint."""
+    return {os.fspath(f.path): f.relpath for f in ck.files}
+
+
+def saved_weights_view(ck: Checkpoint):
+    """The checkpoint's model view with the saved module weights in place of the fp32 masters: its
+    ``sources(name)`` gives the 16-bit (training dtype) weights of every stage, tensor rank or expert
+    file, in the element order of the master. None where the module holds no separate copies (ZeRO-3
+    placeholders) or no view could be made."""
+    view = getattr(ck, "view", None)
+    if ck.zero_stage == 3 or view is None:
+        return None
+    sets = ck.sets
+
+    def resolve(source, key):
+        mp, name = source
+        return sets[mp].module_tensor(name).ranges()
+
+    return dataclasses.replace(view, resolve=resolve)
+
+
+def _saved_weight(saved, name: str, numel: int, master: tuple) -> tuple[tuple, Optional[str]]:
+    """The saved module weight of a trainable parameter when it is a separate copy of the master."""
+    if saved is None:
+        return (), None
+    try:
+        ranges = tuple(saved.sources(name))
+    except (KeyError, ValueError, IndexError):  # no such module entry, or it has another shape
+        return (), None
+    dtypes = {r.dtype for r in ranges if hasattr(r, "path")}
+    if len(dtypes) != 1 or sum(r.count for r in ranges) != numel or not is_floating(next(iter(dtypes))):
+        return (), None
+    return ((), None) if ranges == master else (ranges, dtypes.pop())
+
+
+def replica_pairs(ck: Checkpoint, name: str, key: Optional[str] = None) -> tuple:
+    """``(what, ranges, replica ranges)`` for every further copy of tensor ``name`` (``key``: an optimizer
+    state): tensor-parallel replicas (:meth:`Checkpoint.replica_checks`), and the copies of a pipeline's
+    tied layer in the later stages that hold it (the model reads the first)."""
+    try:
+        out = [(what, tuple(a), tuple(b)) for what, a, b in ck.replica_checks(name, key)]
+    except KeyError:  # a replica without this optimizer state: nothing to compare
+        out = []
+    if ck.kind == PIPELINE:
+        holders = [(mp, zs) for mp, zs in zero_sets(ck) if any(p.name == name and not p.tied_to
+                                                               for p in zs.parameters)]
+        for mp, zs in holders[1:]:
+            try:
+                out.append((f"{name}: stage {holders[0][0]} and stage {mp}", tuple(holders[0][1].sources(name, key)),
+                            tuple(zs.sources(name, key))))
+            except (KeyError, IncompleteCheckpointError):
+                continue
+    return tuple(out)
+
+
+def stats_items(ck: Checkpoint, states: bool = False, notes: Optional[list] = None) -> list[StatsItem]:
+    out: list[StatsItem] = []
+    skipped = []
+    saved = saved_weights_view(ck)
+    for p in ck.parameters:
+        if p.tied_to:
+            continue
+        try:
+            ranges = tuple(ck.sources(p.name))
+        except IncompleteCheckpointError:  # a frozen parameter saved with exclude_frozen_parameters
+            skipped.append(p.name)
+            continue
+        dtype = ranges[0].dtype if ranges else "float32"
+        lowp, lowp_dtype = _saved_weight(saved, p.name, p.numel, ranges) if p.trainable else ((), None)
+        out.append(StatsItem(p.name, "trainable" if p.trainable else "frozen", dtype, tuple(p.shape), ranges,
+                             lowp=lowp, lowp_dtype=lowp_dtype, replicas=replica_pairs(ck, p.name)))
+    if skipped and notes is not None:
+        notes.append(f"no data saved for {', '.join(skipped)} (exclude_frozen_parameters): not checked")
+    if states and ck.optimizer:
+        for key in ck.optimizer.state_keys:
+            for p in ck.parameters:
+                if not p.trainable or p.tied_to:
+                    continue
+                try:
+                    ranges = tuple(ck.sources(p.name, key))
+                except KeyError:
+                    continue
+                if ranges and is_floating(ranges[0].dtype):
+                    out.append(StatsItem(f"{key}/{p.name}", "state", ranges[0].dtype, tuple(p.shape), ranges, key,
+                                         replicas=replica_pairs(ck, p.name, key)))
+    return out
+
+
+def groups_of(zs) -> int:
+    """Flat groups (ZeRO-1/2) or sub-groups (ZeRO-3) per rank of a checkpoint or ZeRO set."""
+    return len(zs.layouts[0].sub_group_sizes) if zs.zero_stage == 3 else len(zs.layouts)
+
+
+def zero_sets(ck: Checkpoint) -> list:
+    """``(mp, set)`` for each ZeRO set (one for data parallelism; one per stage or tensor rank)."""
+    return sorted(ck.sets.items())
+
+
+def step_items(ck: Checkpoint, notes: Optional[list] = None) -> list[StepItem]:
+    if ck.flavor == NO_ZERO or not ck.layouts:
+        if notes is not None:
+            notes.append("stage 0: one optimizer, no ranks or sub-groups whose steps could differ")
+        return []
+    out = []
+    for mp, zs in zero_sets(ck):
+        for rank in sorted(zs.records.index.optim):
+            path = os.fspath(zs.optim_states_file(rank).path)
+            for g in range(groups_of(zs)):
+                try:
+                    step = zs.partition_tensor(rank, g, "step")
+                except KeyError:
+                    continue
+                if isinstance(step, TensorHandle) and step.numel == 1:
+                    out.append(StepItem(rank.dp, g, path, ranges=tuple(step.ranges()), mp=mp, where=str(rank)))
+                elif isinstance(step, (int, float)):
+                    out.append(StepItem(rank.dp, g, path, value=float(step), mp=mp, where=str(rank)))
+    return out
+
+
+# ============================================================================================ padding
+def _overlaps(lay, lo: int, hi: int) -> list[tuple[str, int, int]]:
+    """Parameter elements in ``[lo, hi)`` of a flat group: ``(name, first, end)`` in the parameter."""
+    out = []
+    for s in lay.slots:
+        a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+        if a < b:
+            out.append((s.name, a - s.offset, b - s.offset))
+    return out
+
+
+def _flat_problems(ck: Checkpoint, label: dict, notes: Optional[list]) -> list[Problem]:
+    out: list[Problem] = []
+    round_robin = bool((ck.ds_config.get("zero_optimization") or {}).get("round_robin_gradients"))
+    if round_robin and notes is not None:
+        notes.append("saved with round_robin_gradients: param_slice_mappings are not compared with the layout "
+                     "(DeepSpeed computes them in the natural order, not the round-robin order of the flat groups)")
+    for _, zs in zero_sets(ck):
+        experts = zs.records.expert_groups
+        keys = zs.optimizer.state_keys if zs.optimizer else []
+        for rank in sorted(zs.records.index.optim):
+            r, osd = rank.dp, zs.optimizer_state_dict(rank)
+            file = label.get(os.fspath(zs.optim_states_file(rank).path), "")
+            pads = osd.get("group_paddings")
+            maps = osd.get("param_slice_mappings")
+            for g, lay in enumerate(zs.layouts):
+                eg = experts.get(g)
+                k = r // eg.ep if eg else r  # the partition this rank holds (experts: of its expert data group)
+                who = f"{rank}" + (f" (partition {k} of its {eg.edp} expert data-parallel ranks)" if eg else "")
+                named = (lambda n, e=r % eg.ep, m=eg.num_local: global_name(str(n), e, m)) if eg else str
+                part = lay.partition_size
+                if isinstance(pads, (list, tuple)) and g < len(pads) and isinstance(pads[g], int) and pads[g] > 0:
+                    end = (k + 1) * part
+                    for name, a, b in _overlaps(lay, end - pads[g], end):
+                        name = named(name)  # an expert: by its global id
+                        out.append(Problem(name, file, f"group {g}: the file records {pads[g]} padding elements at "
+                                           f"the end of {who}'s partition, but elements {a}..{b} of {name} lie "
+                                           f"there by the layout of param_shapes at {lay.world_size} ranks "
+                                           f"({lay.tail_padding(k)} padding elements)"))
+                if not round_robin and isinstance(maps, (list, tuple)) and g < len(maps) and isinstance(maps[g], dict):
+                    out += _mapping_problems(lay, k, g, maps[g], file, who, named)
+                for key in keys:
+                    try:
+                        t = zs.partition_tensor(rank, g, key)
+                    except KeyError:
+                        continue
+                    if isinstance(t, TensorHandle) and t.numel not in (lay.lean_length(k), part):
+                        out.append(Problem(f"{key}/group {g}", file, f"the {key} partition of group {g} on {who} "
+                                           f"holds {t.numel} elements; the layout needs {lay.lean_length(k)} (or "
+                                           f"{part} with the padding), so parameter elements and padding would be "
+                                           "misplaced"))
+    return out
+
+
+def _mapping_problems(lay, k: int, g: int, recorded: dict, file: str, who: str, named=str) -> list[Problem]:
+    """``param_slice_mappings`` of group ``g`` recorded in partition ``k`` (held by ``who``) against the
+    layout; ``named`` gives a problem's tensor name (an expert's global one) from the recorded name."""
+    out = []
+    want = lay.slice_mappings(k)
+    padding = [(s.rank_start, s.rank_start + s.count) for s in lay.segments(k) if s.is_padding]
+    for name, addr in recorded.items():
+        start, count = getattr(addr, "start", None), getattr(addr, "numel", None)
+        if not isinstance(start, int) or not isinstance(count, int) or want.get(name) == (start, count):
+            continue
+        covered = sum(max(0, min(b, start + count) - max(a, start)) for a, b in padding)
+        where = want.get(name)
+        out.append(Problem(named(name), file, f"group {g}: param_slice_mappings puts it at {start}..{start + count} of "
+                           f"{who}'s partition, the layout at "
+                           + (f"{where[0]}..{where[0] + where[1]}" if where else "no place on this rank")
+                           + (f"; {covered} of those elements are padding" if covered else "")))
+    return out
+
+
+def _zero3_problems(ck: Checkpoint, label: dict) -> list[Problem]:
+    out: list[Problem] = []
+    for _, zs in zero_sets(ck):
+        sizes = zs.layouts[0].sub_group_sizes
+        keys = zs.optimizer.state_keys if zs.optimizer else []
+        for rank in sorted(zs.records.index.optim):
+            file = label.get(os.fspath(zs.optim_states_file(rank).path), "")
+            for k, size in enumerate(sizes):
+                for key in keys:
+                    try:
+                        t = zs.partition_tensor(rank, k, key)
+                    except KeyError:
+                        continue
+                    if isinstance(t, TensorHandle) and t.numel != size:
+                        out.append(Problem(f"{key}/sub-group {k}", file, f"the {key} partition of sub-group {k} on "
+                                           f"{rank} holds {t.numel} elements; the ceil(numel/"
+                                           f"{zs.layouts[0].world_size}) chunks of its parameters need {size}, so "
+                                           "parameter elements and padding would be misplaced"))
+    return out
+
+
+def layout_problems(ck: Checkpoint, label: dict, notes: Optional[list] = None) -> list[Problem]:
+    """Padding the files record that covers parameter elements, by the layout arithmetic."""
+    if ck.flavor == NO_ZERO or not ck.layouts:
+        return []
+    return _zero3_problems(ck, label) if ck.zero_stage == 3 else _flat_problems(ck, label, notes)
+
+
+__all__ = ["StatsItem", "StepItem", "file_labels", "stats_items", "step_items", "layout_problems", "groups_of",
+           "zero_sets", "saved_weights_view", "replica_pairs"]

@@ -1,0 +1,89 @@
+"""What ``check`` and ``diff`` share: plans that only read, their progress, problems, numbers for JSON and text.
+
+Both stream every tensor they look at once, window by window (:mod:`ckptlib.compare`); their plans are
+plain data like export's (they pickle and print) and their results carry the run's memory
+(:class:`~ckptlib.memory.MemoryReport`) beside ``plan.predicted_peak_bytes``.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from .progress import Observer, TqdmObserver
+from .streaming import predicted_peak_bytes
+
+
+def scan_peak_bytes(chunk_bytes: int) -> int:
+    """Anonymous memory a check or diff adds to the process: at most three ``chunk_bytes`` of reusable
+    buffers (read-ahead windows and float64 work space) plus the fixed allowance, whatever the model size."""
+    return predicted_peak_bytes(chunk_bytes, 1)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Something wrong in a checkpoint: the tensor (``name``, ``<state>/<name>``, or ``step``), the file it
+    lives in (relative to the path given), and what is wrong, in one sentence."""
+
+    tensor: str
+    file: str
+    what: str
+
+    def to_dict(self) -> dict:
+        return {"tensor": self.tensor, "file": self.file, "what": self.what}
+
+    def __str__(self) -> str:
+        return f"{self.tensor} ({self.file}): {self.what}"
+
+
+def progress_to(observer: Observer, total: int) -> Callable[[int], None]:
+    """A thread-safe ``progress(nbytes)`` reporting the running total of bytes read to ``observer``."""
+    done, lock = [0], threading.Lock()
+
+    def progress(n: int) -> None:
+        with lock:
+            done[0] += n
+            observer.on_bytes(done[0], total)
+
+    return progress
+
+
+class ReadTqdm(TqdmObserver):
+    """A terminal progress bar over the bytes a check or diff reads (``plan.read_bytes``)."""
+
+    def on_start(self, plan):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=plan.read_bytes, unit="B", unit_scale=True, desc=self.desc, disable=self.disable)
+
+
+def json_ready(value: Any) -> Any:
+    """``value`` with every non-finite float (NaN, Inf: undefined or unbounded) as None, so that the JSON
+    is standard."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_ready(v) for v in value]
+    return value
+
+
+def num(value: Optional[float], width: int = 10) -> str:
+    """A number for a text table: ``-`` when undefined."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return f"{'-':>{width}}"
+    if isinstance(value, int):
+        return f"{value:>{width},}"
+    return f"{value:>{width}.4g}"
+
+
+def layer_of(name: str) -> str:
+    """The layer a tensor belongs to: its name without the last part (``fc1.weight`` -> ``fc1``), and
+    without an optimizer state's prefix (``exp_avg/fc1.weight`` -> ``fc1``)."""
+    name = name.split("/", 1)[-1]
+    return name.rsplit(".", 1)[0] if "." in name else name
+
+
+__all__ = ["scan_peak_bytes", "Problem", "progress_to", "ReadTqdm", "json_ready", "num", "layer_of"]

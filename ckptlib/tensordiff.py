@@ -1,0 +1,294 @@
+"""Diff two sets of named tensors: checkpoints (any stage, world size or layout), exports, universal ones.
+
+    plan = ckptlib.plan_diff("ckpt", "ckpt-export")   # metadata only: which tensors pair up, byte ranges
+    result = ckptlib.diff(plan)                       # streams both sides window by window
+    print(result.summary()); result.ok                # every tensor the same?
+
+Each side is anything :func:`ckptlib.tensorsets.open_tensor_set` reads. Tensors are matched by name
+(optimizer states, with ``states``, as ``<key>/<name>``) and compared chunk by chunk: floating ones in
+fp32, integer and bool ones exactly (:meth:`ckptlib.compare.Comparer.difference`). Per tensor: ``status``
+(``same``, ``changed``, ``only_in_a``, ``only_in_b``, ``shape_changed``), ``max_abs_diff`` (over the
+elements finite on both sides) and ``rel_diff`` (``||a - b|| / ||a||``, float64). A tensor is ``same``
+when no element differs by more than ``atol + rtol * |b|`` (exact by default; NaN equals NaN).
+
+Memory: ``plan.predicted_peak_bytes``, whatever the tensor sizes. Neither side is written.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Optional, Union
+
+from .compare import Comparer
+from .errors import CkptError
+from .memory import MemoryReport, watch_memory
+from .progress import Observer
+from .ranges import stored_bytes
+from .scan import json_ready, num, progress_to, scan_peak_bytes
+from .sources import SourceFiles, check_unchanged
+from .streaming import DEFAULT_CHUNK_BYTES
+from .tensorsets import NamedTensor, TensorSet, open_tensor_set
+from .units import human_bytes
+
+SAME, CHANGED, ONLY_IN_A, ONLY_IN_B, SHAPE_CHANGED = "same", "changed", "only_in_a", "only_in_b", "shape_changed"
+STATUSES = (SAME, CHANGED, ONLY_IN_A, ONLY_IN_B, SHAPE_CHANGED)
+
+
+@dataclass(frozen=True)
+class DiffItem:
+    """One name and its tensor on each side (None where it is missing)."""
+
+    key: str
+    a: Optional[NamedTensor]
+    b: Optional[NamedTensor]
+
+    @property
+    def comparable(self) -> bool:
+        return self.a is not None and self.b is not None and tuple(self.a.shape) == tuple(self.b.shape)
+
+
+@dataclass(kw_only=True)
+class DiffPlan:
+    """What a diff compares, decided from metadata (plain data): both sets (``a``, ``b``: kind, where, the
+    stamps of their files) and one :class:`DiffItem` per name."""
+
+    action: ClassVar[str] = "diff"
+    a: TensorSet = field(repr=False)
+    b: TensorSet = field(repr=False)
+    items: list
+    atol: float = 0.0
+    rtol: float = 0.0
+    states: bool = False
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+
+    @property
+    def notes(self) -> list:
+        return [f"A: {n}" for n in self.a.notes] + [f"B: {n}" for n in self.b.notes]
+
+    @property
+    def read_bytes(self) -> int:
+        return sum(stored_bytes(i.a.ranges) + stored_bytes(i.b.ranges) for i in self.items if i.comparable)
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        return scan_peak_bytes(self.chunk_bytes)
+
+    def describe(self) -> str:
+        both = sum(1 for i in self.items if i.comparable)
+        lines = [f"diff A: {self.a.label}", f"     B: {self.b.label}",
+                 f"{len(self.items)} names: {both} compared, {sum(1 for i in self.items if i.b is None)} only in A, "
+                 f"{sum(1 for i in self.items if i.a is None)} only in B"
+                 + ("" if self.states else "; optimizer states left out (--states compares them too)"),
+                 "same when " + ("bit-for-bit equal in fp32 (integers exactly)" if not (self.atol or self.rtol)
+                                 else f"|a - b| <= {self.atol:g} + {self.rtol:g} * |b| everywhere"),
+                 f"reads {human_bytes(self.read_bytes)}; writes nothing",
+                 f"predicted peak memory: {human_bytes(self.predicted_peak_bytes)} "
+                 f"({human_bytes(self.chunk_bytes)} chunks; independent of the model size)"]
+        return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
+    def to_dict(self) -> dict:
+        return {"action": "diff", "a": self.a.path, "b": self.b.path, "a_kind": self.a.kind, "b_kind": self.b.kind,
+                "names": [i.key for i in self.items], "atol": self.atol, "rtol": self.rtol, "states": self.states,
+                "read_bytes": self.read_bytes, "predicted_peak_bytes": self.predicted_peak_bytes,
+                "notes": self.notes}
+
+    def _repr_pretty_(self, p, cycle):
+        p.text(self.describe())
+
+
+@dataclass
+class TensorDiff:
+    """How one tensor differs between A and B (``changed``: elements outside the tolerance, ``nonfinite``
+    of them NaN/Inf on one side only; ``norm_a``, ``norm_diff``: ``||a||`` and ``||a - b||``)."""
+
+    key: str
+    status: str
+    dtype_a: Optional[str] = None
+    dtype_b: Optional[str] = None
+    shape_a: Optional[tuple] = None
+    shape_b: Optional[tuple] = None
+    numel: int = 0
+    changed: int = 0
+    nonfinite: int = 0
+    max_abs_diff: Optional[float] = None
+    rel_diff: Optional[float] = None
+    norm_a: Optional[float] = None
+    norm_diff: Optional[float] = None
+
+    def to_dict(self) -> dict:
+        return {"name": self.key, "status": self.status, "max_abs_diff": self.max_abs_diff, "rel_diff": self.rel_diff,
+                "changed_elements": self.changed, "nonfinite_mismatches": self.nonfinite, "numel": self.numel,
+                "dtype_a": self.dtype_a, "dtype_b": self.dtype_b,
+                "shape_a": list(self.shape_a) if self.shape_a is not None else None,
+                "shape_b": list(self.shape_b) if self.shape_b is not None else None,
+                "norm_a": self.norm_a, "norm_diff": self.norm_diff}
+
+
+@dataclass
+class DiffResult:
+    """The diff of two tensor sets: one :class:`TensorDiff` per name, the bytes read, time and memory."""
+
+    a: str
+    b: str
+    tensors: list
+    bytes_read: int
+    seconds: float
+    atol: float = 0.0
+    rtol: float = 0.0
+    memory: Optional[MemoryReport] = None
+    plan: Optional[DiffPlan] = field(default=None, repr=False)
+
+    @property
+    def ok(self) -> bool:
+        """Every tensor is ``same`` (within the tolerances)."""
+        return all(t.status == SAME for t in self.tensors)
+
+    @property
+    def counts(self) -> dict:
+        return {s: sum(1 for t in self.tensors if t.status == s) for s in STATUSES}
+
+    @property
+    def largest(self) -> Optional[TensorDiff]:
+        """The compared tensor with the largest relative change (None if none changed at all)."""
+        moved = [t for t in self.tensors if t.rel_diff is not None and (t.rel_diff > 0 or t.changed)]
+        return max(moved, key=lambda t: (t.rel_diff if not math.isnan(t.rel_diff) else math.inf, t.changed),
+                   default=None)
+
+    def tensor(self, key: str) -> TensorDiff:
+        for t in self.tensors:
+            if t.key == key:
+                return t
+        raise KeyError(key)
+
+    def summary(self) -> str:
+        c = self.counts
+        text = (f"{len(self.tensors)} tensors: {c[SAME]} same, {c[CHANGED]} changed, {c[ONLY_IN_A]} only in A, "
+                f"{c[ONLY_IN_B]} only in B, {c[SHAPE_CHANGED]} shape changed; ")
+        big = self.largest
+        if big is None:
+            return text + "no value differs"
+        return text + f"largest relative change {big.rel_diff:.3g} in {big.key}" + \
+            (f" ({big.nonfinite} NaN/Inf on one side only)" if big.nonfinite else "")
+
+    def describe(self) -> str:
+        lines = [f"A: {self.a}", f"B: {self.b}"]
+        shown = [t for t in self.tensors if t.status != SAME]
+        w = max([len(t.key) for t in shown] + [6])
+        for t in shown:
+            if t.status in (ONLY_IN_A, ONLY_IN_B):
+                lines.append(f"{t.status:<13} {t.key}")
+            elif t.status == SHAPE_CHANGED:
+                lines.append(f"{t.status:<13} {t.key:<{w}}  {list(t.shape_a)} -> {list(t.shape_b)}")
+            else:
+                extra = f", {t.nonfinite} NaN/Inf on one side only" if t.nonfinite else ""
+                lines.append(f"{t.status:<13} {t.key:<{w}}  max|a-b| {num(t.max_abs_diff)}  rel {num(t.rel_diff)}  "
+                             f"({t.changed:,} of {t.numel:,} elements{extra})")
+        lines.append(self.summary() + f" ({human_bytes(self.bytes_read)} read in {self.seconds:.1f} s)")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        """The JSON of ``ckpt diff --json`` (undefined and infinite values as null)."""
+        big = self.largest
+        return json_ready({"a": self.a, "b": self.b, "atol": self.atol, "rtol": self.rtol,
+                           "tensors": [t.to_dict() for t in self.tensors],
+                           "summary": {**self.counts, "largest_rel_diff": big.rel_diff if big else None,
+                                       "largest_in": big.key if big else None, "text": self.summary()},
+                           "bytes_read": self.bytes_read, "seconds": self.seconds})
+
+    def _repr_pretty_(self, p, cycle):
+        p.text(self.describe())
+
+
+# ============================================================================================ planning
+def plan_diff(a: Union[TensorSet, str, os.PathLike, Any], b: Union[TensorSet, str, os.PathLike, Any], *,
+              tag_a: Optional[str] = None, tag_b: Optional[str] = None, states: bool = False, atol: float = 0.0,
+              rtol: float = 0.0, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+              tp_rules: Union[str, os.PathLike, None] = None) -> DiffPlan:
+    """Plan the diff of ``a`` and ``b`` (each a path, an opened Checkpoint or a TensorSet; metadata only).
+
+    Args:
+        tag_a, tag_b: the tag of each side, when it is a checkpoint with several.
+        states: compare optimizer states too.
+        atol, rtol: an element is the same when ``|a - b| <= atol + rtol * |b|`` (default: exactly equal).
+        tp_rules: for tensor-parallel checkpoints saved without ``universal_checkpoint_info`` (either
+            side): how their shards join (a JSON file with its keys, as for ``open_checkpoint``).
+    """
+    for what, v in (("atol", atol), ("rtol", rtol)):
+        if not isinstance(v, (int, float)) or not v >= 0:
+            raise CkptError(f"{what} must be a number >= 0, not {v!r}")
+    sa = open_tensor_set(a, tag=tag_a, states=states, tp_rules=tp_rules)
+    sb = open_tensor_set(b, tag=tag_b, states=states, tp_rules=tp_rules)
+    items = [DiffItem(k, t, sb.tensors.get(k)) for k, t in sa.tensors.items()]
+    items += [DiffItem(k, None, t) for k, t in sb.tensors.items() if k not in sa.tensors]
+    return DiffPlan(a=sa, b=sb, items=items, atol=float(atol), rtol=float(rtol), states=states,
+                    chunk_bytes=chunk_bytes)
+
+
+# ============================================================================================ running
+def _compare(item: DiffItem, cmp: Comparer, atol: float, rtol: float) -> TensorDiff:
+    a, b = item.a, item.b
+    if b is None:
+        return TensorDiff(item.key, ONLY_IN_A, dtype_a=a.dtype, shape_a=a.shape, numel=a.numel)
+    if a is None:
+        return TensorDiff(item.key, ONLY_IN_B, dtype_b=b.dtype, shape_b=b.shape, numel=b.numel)
+    out = TensorDiff(item.key, SHAPE_CHANGED, dtype_a=a.dtype, dtype_b=b.dtype, shape_a=a.shape, shape_b=b.shape,
+                     numel=a.numel)
+    if not item.comparable:
+        return out
+    d = cmp.difference(a.ranges, b.ranges, atol, rtol)
+    out.status = CHANGED if d.changed else SAME
+    out.changed, out.nonfinite, out.max_abs_diff, out.rel_diff = d.changed, d.nonfinite, d.max_abs_diff, d.rel_diff
+    out.norm_a, out.norm_diff = math.sqrt(d.sumsq_a), math.sqrt(d.sumsq_diff)
+    return out
+
+
+def diff(a: Union[DiffPlan, TensorSet, str, os.PathLike, Any], b: Union[TensorSet, str, os.PathLike, Any, None] = None,
+         *, observer: Optional[Observer] = None, cancel: Any = None, **options) -> DiffResult:
+    """Diff ``a`` and ``b`` (see the module docstring): ``a`` is a plan from :func:`plan_diff`, or ``a`` and
+    ``b`` are what it takes (with its ``options``: ``tag_a``, ``tag_b``, ``states``, ``atol``, ``rtol``).
+
+    Args:
+        observer: receives progress over the bytes read.
+        cancel: a ``threading.Event``; setting it stops the diff (:class:`~ckptlib.errors.Cancelled`).
+
+    Memory: ``plan.predicted_peak_bytes``. Neither side is written; they must not change meanwhile.
+    """
+    if isinstance(a, DiffPlan):
+        plan = a
+    elif b is None:
+        raise CkptError("diff needs two sides: diff(a, b) or diff(plan_diff(a, b))")
+    else:
+        plan = plan_diff(a, b, **options)
+    import numpy  # noqa: F401 - imported before the clock and the memory watch start: a first import
+    import torch  # noqa: F401   (about 140 MiB, once per process) is not the run's memory or time
+
+    observer = observer or Observer()
+    t0 = time.perf_counter()
+    try:
+        with watch_memory() as watch:
+            observer.on_start(plan)
+            check_unchanged(plan.a.stamps + plan.b.stamps)
+            with SourceFiles() as files:
+                cmp = Comparer(plan.chunk_bytes, progress_to(observer, plan.read_bytes), cancel, files)
+                try:
+                    tensors = []
+                    for item in plan.items:
+                        observer.on_tensor(item.key)
+                        tensors.append(_compare(item, cmp, plan.atol, plan.rtol))
+                finally:
+                    cmp.close()
+                read = files.stats.bytes_read
+    except BaseException as e:
+        observer.on_error(e)
+        raise
+    result = DiffResult(a=plan.a.label, b=plan.b.label, tensors=tensors, bytes_read=read,
+                        seconds=time.perf_counter() - t0, atol=plan.atol, rtol=plan.rtol, memory=watch.report,
+                        plan=plan)
+    observer.on_finish(result)
+    return result
+
+
+__all__ = ["DiffPlan", "DiffItem", "DiffResult", "TensorDiff", "plan_diff", "diff", "STATUSES", "SAME", "CHANGED",
+           "ONLY_IN_A", "ONLY_IN_B", "SHAPE_CHANGED"]

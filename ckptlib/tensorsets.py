@@ -1,0 +1,350 @@
+"""Readable sets of named tensors: what ``ckpt diff`` compares, whatever each side is.
+
+A :class:`TensorSet` is a name -> :class:`NamedTensor` (dtype, shape, and the byte ranges of the
+flattened value, :mod:`ckptlib.ranges`) map, found from metadata alone. :func:`open_tensor_set` makes
+one from any of:
+
+- a DeepSpeed checkpoint ckptlib reads (any stage, world size or layout; save dir, tag folder, HF
+  ``checkpoint-N``): every name of the module's ``state_dict`` (trainable parameters as their fp32
+  masters, frozen ones as stored, tied aliases under both names, buffers), through
+  :meth:`Checkpoint.sources`;
+- an exported folder (``model.safetensors``, ``model-0000k-of-0000n.safetensors`` with its index,
+  ``pytorch_model*.bin``), or one such file;
+- a universal checkpoint (a folder holding ``latest_universal``, or its ``<tag>_universal`` folder):
+  ``zero/<param>/fp32.pt``, buffers and tied aliases from the model-states file copied beside it (a
+  pipeline's buffers from the layer files copied beside it).
+
+With ``states``, optimizer states join under ``<key>/<name>`` (e.g. ``exp_avg/fc1.weight``): the
+checkpoint's per-element states of trainable parameters, an export's ``<key>/`` sub-folders, a universal
+checkpoint's ``zero/<param>/<key>.pt``. Nothing here reads tensor data; the set is plain data.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Union
+
+from .deepspeed import Checkpoint, open_checkpoint
+from .deepspeed.discovery import detect
+from .deepspeed.files import LAYER_STATES, classify
+from .dtypes import itemsize
+from .errors import CkptError, IncompleteCheckpointError, NotACheckpointError
+from .ranges import StoredRange
+from .sources import stamp
+from .stformat import read_header
+from .torchzip import TensorHandle, open_torch_file
+
+CHECKPOINT, EXPORT, UNIVERSAL = "checkpoint", "export", "universal"
+LATEST_UNIVERSAL = "latest_universal"
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+@dataclass(frozen=True)
+class NamedTensor:
+    """One tensor of a set: ``key`` (the parameter or buffer name, or ``<state>/<name>`` for an optimizer
+    state), stored ``dtype``, ``shape`` and the byte ranges of its flattened value."""
+
+    key: str
+    dtype: str
+    shape: tuple
+    ranges: tuple = field(repr=False)
+    state: Optional[str] = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * itemsize(self.dtype)
+
+    @property
+    def name(self) -> str:
+        """The parameter or buffer name (the key without the state)."""
+        return self.key[len(self.state) + 1:] if self.state else self.key
+
+
+@dataclass
+class TensorSet:
+    """A readable set of named tensors (plain data): ``kind`` (``checkpoint``, ``export``, ``universal``),
+    where it is, the tensors in order, and a ``(path, size, mtime_ns)`` stamp of every file read."""
+
+    kind: str
+    path: str
+    label: str
+    tensors: dict
+    stamps: tuple = ()
+    notes: list = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def __repr__(self) -> str:
+        return f"TensorSet({self.kind}, {self.label!r}, {len(self.tensors)} tensors)"
+
+
+def _add(tensors: dict, t: NamedTensor, where: str) -> None:
+    if t.key in tensors:
+        raise CkptError(f"tensor {t.key} is stored twice", path=where, hint="a folder should hold one set of weights")
+    tensors[t.key] = t
+
+
+# ============================================================================================ checkpoint
+def checkpoint_tensors(ck: Checkpoint, states: bool = False, notes: Optional[list] = None) -> dict:
+    """The tensors of an opened checkpoint (metadata only), in ``state_dict`` order, then the states."""
+    ck.check_readable()
+    params = {p.name: p for p in ck.parameters}
+    buffers = {b.name for b in ck.buffers}
+    out: dict = {}
+    skipped = []
+    for name in ck.state_dict_names():
+        if name in buffers:  # a pipeline's buffers live in their stage's files: the model's record, not main's
+            b = ck.buffer(name)
+            out[name] = NamedTensor(name, b.dtype, tuple(b.shape), tuple(ck.sources(name)))
+            continue
+        p = params[name]
+        owner = params[p.tied_to] if p.tied_to else p
+        try:
+            ranges = tuple(ck.sources(owner.name))
+        except IncompleteCheckpointError:  # a frozen parameter saved with exclude_frozen_parameters
+            skipped.append(name)
+            continue
+        dtype = ranges[0].dtype if ranges else "float32"
+        out[name] = NamedTensor(name, dtype, tuple(owner.shape), ranges)
+    if skipped and notes is not None:
+        notes.append(f"no data saved for {', '.join(skipped)} (exclude_frozen_parameters): left out")
+    if states and ck.optimizer:
+        for key in ck.optimizer.state_keys:
+            for p in ck.parameters:
+                if p.trainable and not p.tied_to:
+                    try:
+                        ranges = tuple(ck.sources(p.name, key))
+                    except KeyError:
+                        continue
+                    out[f"{key}/{p.name}"] = NamedTensor(f"{key}/{p.name}", ranges[0].dtype if ranges else "float32",
+                                                         tuple(p.shape), ranges, key)
+    return out
+
+
+# ============================================================================================ export
+def weight_files(folder: Path) -> list[Path]:
+    """The weight files of an exported folder: those its index names, else the single file, else the
+    ``model-*-of-*`` shards (safetensors first, then torch)."""
+    for stem in WEIGHT_FILES:
+        index = folder / f"{stem}.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text()).get("weight_map") or {}
+            except ValueError as e:
+                raise CkptError(f"the index is not JSON ({e})", path=index) from None
+            names = sorted(set(weight_map.values()))
+            missing = [n for n in names if not (folder / n).is_file()]
+            if missing:
+                raise IncompleteCheckpointError(f"the index names files that are not there: {', '.join(missing)}",
+                                                path=index)
+            return [folder / n for n in names]
+        if (folder / stem).is_file():
+            return [folder / stem]
+    for pattern in ("model-*-of-*.safetensors", "pytorch_model-*-of-*.bin"):
+        shards = sorted(folder.glob(pattern))
+        if shards:
+            return shards
+    return []
+
+
+def file_tensors(path: Path, state: Optional[str] = None) -> list[NamedTensor]:
+    """The tensors of one safetensors or torch file, from its header or pickle (no tensor data); with
+    ``state``, keyed ``<state>/<name>``."""
+    prefix = f"{state}/" if state else ""
+    if path.suffix == ".safetensors":
+        try:
+            _, infos = read_header(path)
+        except (OSError, ValueError) as e:
+            raise CkptError(f"not a readable safetensors file ({e})", path=path) from None
+        return [NamedTensor(prefix + t.name, t.dtype, tuple(t.shape),
+                            (StoredRange(os.fspath(path), t.offset, t.dtype, t.nbytes // itemsize(t.dtype)),)
+                            if t.nbytes else (), state) for t in infos]
+    with open_torch_file(path) as tf:
+        obj = tf.obj
+    if not isinstance(obj, dict):
+        raise CkptError("this torch file does not hold a state dict (a dict of tensors)", path=path)
+    return [NamedTensor(prefix + str(k), h.dtype_name, tuple(h.shape), tuple(h.ranges()), state)
+            for k, h in obj.items() if isinstance(h, TensorHandle)]
+
+
+def export_tensors(folder: Path, states: bool = False) -> tuple[dict, list[Path]]:
+    tensors: dict = {}
+    files = weight_files(folder)
+    for f in files:
+        for t in file_tensors(f):
+            _add(tensors, t, os.fspath(f))
+    if states:
+        for sub in sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")):
+            found = weight_files(sub)
+            for f in found:
+                for t in file_tensors(f, state=sub.name):
+                    _add(tensors, t, os.fspath(f))
+            files += found
+    return tensors, files
+
+
+# ============================================================================================ universal
+def universal_folder(path: Path, tag: Optional[str] = None) -> Optional[Path]:
+    """The ``<tag>_universal`` folder ``path`` (and ``tag``) point at, or None when it is not a universal
+    checkpoint (a save dir holding ``latest`` is a DeepSpeed checkpoint, unless ``tag`` names a universal
+    tag folder)."""
+    if (path / "zero").is_dir():
+        return path
+    if tag:
+        if (path / tag).is_dir():
+            return path / tag if (path / tag / "zero").is_dir() else None
+        return path / f"{tag}_universal" if (path / f"{tag}_universal" / "zero").is_dir() else None
+    latest = path / LATEST_UNIVERSAL
+    if not latest.is_file() or (path / "latest").is_file():
+        return None
+    name = latest.read_text().strip()
+    if not (path / name / "zero").is_dir():
+        raise NotACheckpointError(f"{LATEST_UNIVERSAL} names {name!r}, but there is no such folder with a zero/ "
+                                  "folder", path=latest, hint="the conversion was probably interrupted; run it again")
+    return path / name
+
+
+def _model_states(folder: Path) -> Optional[dict]:
+    names = sorted(folder.glob("*model_states.pt"))
+    first = next((p for p in names if p.name in ("mp_rank_00_model_states.pt",
+                                                  "zero_pp_rank_0_mp_rank_00_model_states.pt")), None)
+    if first is None:
+        return None
+    with open_torch_file(first) as tf:
+        return tf.obj if isinstance(tf.obj, dict) else None
+
+
+def _pipeline_buffers(folder: Path) -> tuple[dict, list[Path]]:
+    """A pipeline's buffers in a universal folder (``module`` is None in its model-states files): the
+    ``buffer_names`` of every stage's ``mp_rank_XX_model_states.pt``, each ``{idx}.{key}`` entry ``key``
+    of the layer file ``layer_{idx:02d}-model_states.pt`` copied beside them."""
+    names: list = []
+    for f in sorted(folder.glob("mp_rank_*_model_states.pt")):
+        with open_torch_file(f) as tf:
+            obj = tf.obj if isinstance(tf.obj, dict) else {}
+        names += [n for n in obj.get("buffer_names") or [] if n not in names]
+    layers = {classify(f.name).layer: f for f in folder.glob("layer_*-model_states.pt")
+              if classify(f.name).kind == LAYER_STATES and classify(f.name).mp_rank is None}
+    out, files, opened = {}, [], {}
+    for name in names:
+        idx, _, key = str(name).partition(".")
+        f = layers.get(int(idx)) if idx.isdigit() else None
+        if f is None:
+            continue
+        if f not in opened:
+            with open_torch_file(f) as tf:
+                opened[f] = tf.obj if isinstance(tf.obj, dict) else {}
+            files.append(f)
+        h = opened[f].get(key)
+        if isinstance(h, TensorHandle):
+            out[name] = NamedTensor(name, h.dtype_name, tuple(h.shape), tuple(h.ranges()))
+    return out, files
+
+
+def universal_tensors(folder: Path, states: bool = False) -> tuple[dict, list[Path]]:
+    model = _model_states(folder) or {}
+    shapes: dict = {}
+    for group in model.get("param_shapes") or []:
+        shapes.update({k: tuple(v) for k, v in dict(group).items()})
+    shapes.update({k: tuple(v) for k, v in (model.get("frozen_param_shapes") or {}).items()})
+    files, params = [], {}
+    zero = folder / "zero"
+    for d in sorted(p for p in zero.iterdir() if p.is_dir()):
+        for f in sorted(d.glob("*.pt")):
+            key = f.stem
+            if key == "step" or (key != "fp32" and not states):
+                continue
+            with open_torch_file(f) as tf:
+                obj = tf.obj.get("param") if isinstance(tf.obj, dict) else tf.obj
+            if not isinstance(obj, TensorHandle):
+                raise CkptError("this universal file holds no tensor", path=f)
+            shape = tuple(obj.shape)
+            if d.name in shapes and math.prod(shapes[d.name]) == obj.numel:  # ZeRO-3 fragments may be flat
+                shape = shapes[d.name]
+            state = None if key == "fp32" else key
+            name = f"{key}/{d.name}" if state else d.name
+            params[name] = NamedTensor(name, obj.dtype_name, shape, tuple(obj.ranges()), state)
+            files.append(f)
+    module = model.get("module") if isinstance(model.get("module"), dict) else {}
+    buffers = set(model.get("buffer_names") or [])
+    shared = model.get("shared_params") or {}
+    out: dict = {}
+    for name in list(module) + [n for n in params if n not in module]:  # the state_dict's order
+        if name in buffers and isinstance(module.get(name), TensorHandle):
+            h = module[name]
+            out[name] = NamedTensor(name, h.dtype_name, tuple(h.shape), tuple(h.ranges()))
+        elif name in shared and shared[name] in params:
+            owner = params[shared[name]]
+            out[name] = NamedTensor(name, owner.dtype, owner.shape, owner.ranges)
+        elif name in params:
+            out[name] = params[name]
+    out.update({k: v for k, v in params.items() if k not in out})
+    if model.get("module", {}) is None:  # a pipeline: its buffers are in the layer files
+        more, layer_files = _pipeline_buffers(folder)
+        out.update({k: v for k, v in more.items() if k not in out})
+        files += layer_files
+    return out, files
+
+
+# ============================================================================================ entry point
+def open_tensor_set(source: Union[str, os.PathLike, Checkpoint, TensorSet], tag: Optional[str] = None,
+                    states: bool = False, tp_rules: Union[str, os.PathLike, None] = None) -> TensorSet:
+    """A readable set of named tensors at ``source`` (see the module docstring for what it may be).
+    ``tp_rules``: how the shards of a tensor-parallel checkpoint saved without
+    ``universal_checkpoint_info`` join (as for :func:`~ckptlib.deepspeed.open_checkpoint`).
+
+    Raises:
+        NotACheckpointError: nothing ckptlib reads is there. CkptError and its subclasses for files
+            that are there but cannot be read.
+    """
+    if isinstance(source, TensorSet):
+        return source
+    notes: list = []
+    if isinstance(source, Checkpoint):
+        tensors = checkpoint_tensors(source, states, notes)
+        return TensorSet(CHECKPOINT, os.fspath(source.location.tag_dir), f"checkpoint {source.location.tag_dir}",
+                         tensors, tuple(stamp(os.fspath(f.path)) for f in source.files), notes)
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise NotACheckpointError("no such file or folder", path=path)
+    path = path.resolve()
+    if path.is_file() and path.suffix in (".safetensors", ".bin"):
+        tensors = {t.key: t for t in file_tensors(path)}
+        return TensorSet(EXPORT, os.fspath(path), f"weights file {path}", tensors, (stamp(os.fspath(path)),), notes)
+    uni = universal_folder(path, tag) if path.is_dir() else None
+    if uni is not None:
+        tensors, files = universal_tensors(uni, states)
+        return TensorSet(UNIVERSAL, os.fspath(uni), f"universal checkpoint {uni}", tensors,
+                         tuple(stamp(os.fspath(f)) for f in files), notes)
+    kind = detect(path).kind if path.is_dir() else "file"
+    if kind == "folder" and weight_files(path):
+        tensors, files = export_tensors(path, states)
+        return TensorSet(EXPORT, os.fspath(path), f"export {path}", tensors,
+                         tuple(stamp(os.fspath(f)) for f in files), notes)
+    if path.is_dir() and kind != "folder" and weight_files(path):
+        notes.append(f"{path} also holds exported weights; the DeepSpeed checkpoint is used")
+    try:
+        ck = open_checkpoint(path, tag=tag, tp_rules=tp_rules)
+    except NotACheckpointError:
+        raise NotACheckpointError(
+            "nothing ckptlib reads here: no DeepSpeed checkpoint, no exported weights (model.safetensors, "
+            "pytorch_model.bin, shards with an index), no universal checkpoint (latest_universal)", path=path,
+            hint="point at a checkpoint (as for `ckpt inspect`), an export folder or a universal checkpoint") from None
+    with ck:
+        ts = open_tensor_set(ck, states=states)
+    ts.notes[:0] = ck.notes + notes
+    return ts
+
+
+__all__ = ["NamedTensor", "TensorSet", "open_tensor_set", "checkpoint_tensors", "export_tensors",
+           "universal_tensors", "weight_files", "file_tensors", "universal_folder", "CHECKPOINT", "EXPORT",
+           "UNIVERSAL"]
