@@ -79,7 +79,9 @@ def main() -> int:
                 if tool == "ds":
                     cmd = [PY, str(ckpt / "zero_to_fp32.py"), str(ckpt), str(out), "--safe_serialization"]
                 else:
-                    cmd = [PY, "-m", "ckptlib", "export", str(ckpt), str(out), "-q", *extra]
+                    # -P: the working folder (the repo root) is not put first on sys.path, so the
+                    # PYTHONPATH of "(before)" rows decides which ckptlib runs
+                    cmd = [PY, "-P", "-m", "ckptlib", "export", str(ckpt), str(out), "-q", *extra]
                 st = run(cmd, env=before_env if tool.endswith("@before") else None)
                 if st.returncode != 0:
                     print(st.stderr[-2000:], file=sys.stderr)

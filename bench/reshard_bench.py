@@ -57,7 +57,7 @@ def main() -> int:
                     cmd = [PY, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(ckpt / tag),
                            "--output_folder", str(out / f"{tag}_universal")]
                 else:
-                    cmd = [PY, "-m", "ckptlib", "reshard", str(ckpt), str(out / "resharded"), "--world-size", str(m),
+                    cmd = [PY, "-P", "-m", "ckptlib", "reshard", str(ckpt), str(out / "resharded"), "--world-size", str(m),
                            "-q"]
                 st = run(cmd, env=before_env if tool.endswith("(before)") else None, tree=True, watch_dir=str(out),
                          interval=0.01)

@@ -12,8 +12,10 @@ from .errors import CkptError, OutOfMemoryError
 from .memory import SystemMemory, system_memory
 from .units import human_bytes
 
-#: what torch's CPU allocator and the OS say when an allocation fails
-_ALLOCATION_FAILED = ("can't allocate memory", "cannot allocate memory", "defaultcpuallocator", "out of memory")
+#: what torch's CPU allocator and the OS say when an allocation fails; a thread that cannot get its stack
+#: (Python: "can't start new thread"); a shared library whose segments cannot be mapped (an ImportError)
+_ALLOCATION_FAILED = ("can't allocate memory", "cannot allocate memory", "defaultcpuallocator", "out of memory",
+                      "can't start new thread", "failed to map segment")
 
 
 def is_allocation_failure(error: Union[BaseException, str]) -> bool:
@@ -24,7 +26,7 @@ def is_allocation_failure(error: Union[BaseException, str]) -> bool:
     if isinstance(error, OSError) and error.errno == 12:  # ENOMEM
         return True
     text = str(error).lower()
-    return (isinstance(error, (str, RuntimeError))) and any(s in text for s in _ALLOCATION_FAILED)
+    return (isinstance(error, (str, RuntimeError, ImportError))) and any(s in text for s in _ALLOCATION_FAILED)
 
 
 @contextlib.contextmanager
@@ -38,7 +40,7 @@ def translating_allocation_failures(plan: Any, path: Any = None):
             raise
         raise OutOfMemoryError(out_of_memory_message(plan.predicted_peak_bytes, f"this {plan.action}"),
                                path=path) from None
-    except (MemoryError, RuntimeError, OSError) as e:
+    except (MemoryError, RuntimeError, OSError, ImportError) as e:
         if not is_allocation_failure(e):
             raise
         raise OutOfMemoryError(out_of_memory_message(plan.predicted_peak_bytes, f"this {plan.action}"),

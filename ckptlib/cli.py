@@ -50,47 +50,62 @@ def _finish(args: argparse.Namespace, plan, result) -> int:
     return 0 if checked.ok else 1
 
 
+def _plan_and_run(args: argparse.Namespace, make_plan, desc: str) -> int:
+    """Make the plan, show it (``--plan``) or run it. With ``--distributed`` (under torchrun) rank 0 makes
+    the plan and hands it to every rank, each rank writes its share, and only rank 0 prints (a failure on
+    any rank: one message, from rank 0)."""
+    from .progress import TqdmObserver
+
+    rank = int(os.environ.get("RANK", "0")) if args.distributed else 0
+    observer = None if args.quiet or rank != 0 else TqdmObserver(desc)
+    if not args.distributed:
+        from .execute import run
+
+        plan = make_plan()
+        if args.plan:
+            print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.describe())
+            return 0
+        return _finish(args, plan, run(plan, observer=observer))
+    from .execute.distributed import DistributedFailure, process_group, run_distributed, shared_plan
+
+    try:
+        with process_group():
+            plan = shared_plan(make_plan)
+            if args.plan:
+                if rank == 0:
+                    print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.describe())
+                return 0
+            result = run_distributed(plan, observer=observer)
+    except DistributedFailure as e:
+        if rank != 0 and e.everywhere:  # rank 0 prints the same message
+            return 2
+        raise
+    return _finish(args, plan, result) if rank == 0 else 0
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
     from .export import plan_export
-    from .progress import TqdmObserver
-    from .execute import run, run_distributed
 
     states = [s for s in (args.states or "").split(",") if s]
-    plan = plan_export(args.path, args.out, tag=args.tag, format=args.format, dtype=args.dtype,
-                       max_shard_size=args.max_shard_size, exclude_frozen=args.exclude_frozen, states=states,
-                       workers=args.workers, overwrite=args.overwrite, tp_rules=args.tp_rules,
-                       hf_files=args.hf_files)
-    if args.plan:
-        print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.describe())
-        return 0
-    observer = None if args.quiet else TqdmObserver("export")
-    if args.distributed:
-        result = run_distributed(plan, observer=observer)
-        if os.environ.get("RANK", "0") != "0":
-            return 0
-    else:
-        result = run(plan, observer=observer)
-    return _finish(args, plan, result)
+    return _plan_and_run(args, lambda: plan_export(
+        args.path, args.out, tag=args.tag, format=args.format, dtype=args.dtype,
+        max_shard_size=args.max_shard_size, exclude_frozen=args.exclude_frozen, states=states,
+        workers=args.workers, overwrite=args.overwrite, tp_rules=args.tp_rules, hf_files=args.hf_files), "export")
 
 
 def _cmd_reshard(args: argparse.Namespace) -> int:
-    from .progress import TqdmObserver
     from .reshard import plan_reshard, plan_universal
-    from .execute import run
 
-    if args.universal:
-        plan = plan_universal(args.path, args.out, tag=args.tag, overwrite=args.overwrite, workers=args.workers,
-                              tp_rules=args.tp_rules, hf_files=args.hf_files)
-    else:
-        if args.world_size is None:
+    def make_plan():
+        if not args.universal and args.world_size is None:
             raise CkptError("--world-size is required (or --universal for a size-independent checkpoint)")
-        plan = plan_reshard(args.path, args.out, args.world_size, tag=args.tag, overwrite=args.overwrite,
+        if args.universal:
+            return plan_universal(args.path, args.out, tag=args.tag, overwrite=args.overwrite, workers=args.workers,
+                                  tp_rules=args.tp_rules, hf_files=args.hf_files)
+        return plan_reshard(args.path, args.out, args.world_size, tag=args.tag, overwrite=args.overwrite,
                             workers=args.workers, tp_rules=args.tp_rules, hf_files=args.hf_files)
-    if args.plan:
-        print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.describe())
-        return 0
-    result = run(plan, observer=None if args.quiet else TqdmObserver("reshard"))
-    return _finish(args, plan, result)
+
+    return _plan_and_run(args, make_plan, "reshard")
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
@@ -192,6 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true",
                    help="re-open the output and compare every master, optimizer state, frozen parameter and buffer "
                         "with the source, bit for bit (exit 1 if any differs)")
+    p.add_argument("--distributed", action="store_true",
+                   help="under torchrun (one machine or several nodes, output on a shared file system): rank 0 "
+                        "plans, every rank writes its share of the target files (balanced by bytes, --workers "
+                        "threads each), rank 0 renames the output into place once all ranks finished (gloo)")
     p.add_argument("-q", "--quiet", action="store_true",
                    help="print nothing but errors (and a failed verification); the exit code says how it went")
     p.set_defaults(func=_cmd_reshard)
@@ -224,8 +243,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_blas_thread() -> None:
+    """ckpt never multiplies matrices: numpy's OpenBLAS (loaded for casts) gets one thread unless told otherwise,
+    which saves its ~41 MiB of buffers per further thread (the memory floor of a cast export; docs/benchmarks.md)."""
+    if "numpy" not in sys.modules:
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    _one_blas_thread()
     try:
         return args.func(args)
     except CkptError as e:

@@ -6,6 +6,7 @@ actually made.
 """
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -76,6 +77,22 @@ def is_floating(dtype: Any) -> bool:
     return lookup(dtype).floating
 
 
+#: ``struct`` codes of the dtypes a single element of which :func:`decode_scalar` reads (bfloat16 via float32)
+_STRUCT = {"float32": "f", "float64": "d", "float16": "e", "int64": "q", "int32": "i", "int16": "h", "int8": "b",
+           "uint8": "B", "bool": "?", "uint16": "H", "uint32": "I", "uint64": "Q"}
+
+
+def decode_scalar(raw: bytes, dtype: Any):
+    """The Python number held by the little-endian bytes of one element of ``dtype`` (no torch)."""
+    name = lookup(dtype).name
+    if name == "bfloat16":
+        return struct.unpack("<f", b"\0\0" + bytes(raw[:2]))[0]
+    code = _STRUCT.get(name)
+    if code is None:
+        raise ValueError(f"cannot decode a {name} value without torch")
+    return struct.unpack("<" + code, bytes(raw[:struct.calcsize(code)]))[0]
+
+
 def torch_dtype(dtype: Any):
     """The torch dtype (imports torch)."""
     import torch
@@ -84,4 +101,4 @@ def torch_dtype(dtype: Any):
 
 
 __all__ = ["DType", "BY_NAME", "BY_STORAGE_CLASS", "BY_SHORT", "OUTPUT_DTYPES", "lookup", "name_of", "itemsize",
-           "is_floating", "torch_dtype"]
+           "is_floating", "decode_scalar", "torch_dtype"]

@@ -19,8 +19,10 @@ ZeRO-3, :class:`Zero3Layout`
 """
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Optional, Sequence
 
 from .ranges import Zeros  # runs of padding in re-sliced partitions
@@ -30,13 +32,15 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, unsafe_hash=True)
 class Piece:
     """A contiguous run of one parameter's elements stored on one rank.
 
     ``count`` elements of the parameter, starting at element ``param_start`` of its flattened value,
     live on ``rank`` at offset ``rank_start`` of tensor ``group`` (ZeRO-1/2: the param group's flat
-    partition; ZeRO-3: the sub-group's flat partition).
+    partition; ZeRO-3: the sub-group's flat partition). Hashable and compared by value, but not frozen
+    (a frozen dataclass takes four times as long to make; planning a large reshard makes millions of
+    pieces): treat it as immutable.
     """
 
     rank: int
@@ -69,7 +73,7 @@ class ParamSlot:
     offset: int  # first element in the (unpartitioned) flat group
     padding_after: int = 0
 
-    @property
+    @cached_property
     def numel(self) -> int:
         return math.prod(self.shape)
 
@@ -144,16 +148,23 @@ class FlatGroupLayout:
         """Padding elements at the end of the rank's partition (DeepSpeed's ``group_paddings``)."""
         return self.partition_size - self.lean_length(rank)
 
+    @cached_property
+    def _by_name(self) -> dict:
+        return {s.name: s for s in self.slots}
+
+    @cached_property
+    def _slot_ends(self) -> list:
+        return [s.offset + s.numel + s.padding_after for s in self.slots]
+
     def slot(self, name: str) -> ParamSlot:
-        for s in self.slots:
-            if s.name == name:
-                return s
-        raise KeyError(name)
+        """The slot of parameter ``name`` (a dict lookup; the index is built on first use)."""
+        return self._by_name[name]
 
     # ---------------------------------------------------------------- where things are
     def pieces(self, name: str) -> list[Piece]:
         """The pieces of parameter ``name``, in element order (and so in rank order)."""
-        return self.range_pieces(self.slot(name).offset, self.slot(name).numel)
+        s = self.slot(name)
+        return self.range_pieces(s.offset, s.numel)
 
     def range_pieces(self, flat_start: int, count: int) -> list[Piece]:
         """Pieces covering elements ``[flat_start, flat_start+count)`` of the flat group."""
@@ -174,7 +185,11 @@ class FlatGroupLayout:
         start, end = self.rank_range(rank)
         segs: list[Segment] = []
         pos = start
-        for s in self.slots:
+        first = bisect.bisect_right(self._slot_ends, start)  # the slots before it end before the partition
+        for i in range(first, len(self.slots)):
+            s = self.slots[i]
+            if s.offset >= end:
+                break
             for lo, hi, name in ((s.offset, s.offset + s.numel, s.name),
                                  (s.offset + s.numel, s.offset + s.numel + s.padding_after, None)):
                 a, b = max(lo, start), min(hi, end)
@@ -202,7 +217,7 @@ class Zero3Slot:
     sub_group: int
     offset: int  # offset of this parameter's chunk within each rank's sub-group flat tensor
 
-    @property
+    @cached_property
     def numel(self) -> int:
         return math.prod(self.shape)
 
@@ -234,11 +249,24 @@ class Zero3Layout:
             sizes.append(offset)
         return cls(slots=tuple(slots), world_size=world_size, sub_group_sizes=tuple(sizes))
 
-    def slot(self, name: str) -> Zero3Slot:
+    @cached_property
+    def _by_name(self) -> dict:
+        return {s.name: s for s in self.slots}
+
+    @cached_property
+    def _by_sub_group(self) -> dict:
+        out: dict = {}
         for s in self.slots:
-            if s.name == name:
-                return s
-        raise KeyError(name)
+            out.setdefault(s.sub_group, []).append(s)
+        return out
+
+    def slot(self, name: str) -> Zero3Slot:
+        """The slot of parameter ``name`` (a dict lookup; the index is built on first use)."""
+        return self._by_name[name]
+
+    def sub_group_slots(self, sub_group: int) -> list:
+        """The slots of ``sub_group``, in order."""
+        return self._by_sub_group.get(sub_group, [])
 
     def chunk(self, name: str) -> int:
         return chunk_size(self.slot(name).numel, self.world_size)
@@ -257,21 +285,20 @@ class Zero3Layout:
         out, i, end = [], start, start + count
         if end > s.numel:
             raise IndexError(f"{name} has {s.numel} elements; [{start}, {end}) is out of bounds")
+        group, base = s.sub_group, s.offset
         while i < end:
             rank, off = divmod(i, c)
             n = min(c - off, end - i)
-            out.append(Piece(rank=rank, group=s.sub_group, rank_start=s.offset + off, param_start=i, count=n))
+            out.append(Piece(rank, group, base + off, i, n))  # rank, group, rank_start, param_start, count
             i += n
         return out
 
     def segments(self, rank: int, sub_group: int) -> list[Segment]:
         """Parameter chunks and padding in ``rank``'s flat tensor of ``sub_group``."""
         segs: list[Segment] = []
-        for s in self.slots:
-            if s.sub_group != sub_group:
-                continue
+        for s in self.sub_group_slots(sub_group):
             c = chunk_size(s.numel, self.world_size)
-            real = zero3_real_counts(s.numel, self.world_size)[rank]
+            real = zero3_real_count(s.numel, self.world_size, rank)
             if real:
                 segs.append(Segment(rank_start=s.offset, count=real, name=s.name, param_start=rank * c))
             if c - real:
@@ -288,6 +315,13 @@ def zero3_real_counts(numel: int, world_size: int) -> list[int]:
     """How many real (non-padding) elements of a ZeRO-3 parameter each rank holds."""
     c = chunk_size(numel, world_size)
     return [max(0, min(c, numel - r * c)) for r in range(world_size)]
+
+
+def zero3_real_count(numel: int, world_size: int, rank: int) -> int:
+    """How many real (non-padding) elements of a ZeRO-3 parameter ``rank`` holds (one entry of
+    :func:`zero3_real_counts`, without building the list)."""
+    c = chunk_size(numel, world_size)
+    return max(0, min(c, numel - rank * c))
 
 
 def zero3_sub_groups(numels: Sequence[int], world_size: int, sub_group_size: int) -> list[list[int]]:
@@ -334,12 +368,12 @@ def reslice_zero3(src: Zero3Layout, dst: Zero3Layout, rank: int, sub_group: int)
     parameters, the source pieces of the chunk ``[rank·c, (rank+1)·c)`` (``c = ceil(numel/M)``), then
     zeros where the chunk runs past the parameter."""
     out: list = []
-    for s in dst.slots:
-        if s.sub_group != sub_group:
-            continue
-        c = chunk_size(s.numel, dst.world_size)
+    m = dst.world_size
+    for s in dst.sub_group_slots(sub_group):
+        numel = s.numel
+        c = -(-numel // m)  # chunk_size
         lo = rank * c
-        real = max(0, min(c, s.numel - lo))
+        real = max(0, min(c, numel - lo))
         if real:
             out += src.param_range_pieces(s.name, lo, real)
         if c - real:

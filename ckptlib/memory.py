@@ -254,7 +254,12 @@ class MemorySampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.sample()
+            try:
+                self.sample()
+            except MemoryError as e:  # at the memory floor: stop sampling, quietly (the run says what ran out)
+                if len(self.errors) < 10:
+                    self.errors.append(e)
+                return
             self._stop.wait(self.interval)
 
     @property

@@ -7,7 +7,8 @@ Long operations call an :class:`Observer`; the library itself never imports ``tq
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+import threading
+from typing import Any, Callable, Optional
 
 from .errors import Cancelled
 
@@ -74,3 +75,16 @@ def check_cancel(cancel: Any) -> None:
     """Raise :class:`~ckptlib.errors.Cancelled` if ``cancel`` (anything with ``is_set()``) is set."""
     if cancel is not None and cancel.is_set():
         raise Cancelled("cancelled by the user; nothing was written to the destination")
+
+
+def progress_to(observer: Observer, total: int) -> Callable[[int], None]:
+    """A thread-safe ``progress(nbytes)`` reporting the running total to ``observer``; the observer is
+    called under the lock, so the totals it sees never go back."""
+    done, lock = [0], threading.Lock()
+
+    def progress(n: int) -> None:
+        with lock:
+            done[0] += n
+            observer.on_bytes(done[0], total)
+
+    return progress

@@ -7,11 +7,10 @@ plain data like export's (they pickle and print) and their results carry the run
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
-from .progress import Observer, TqdmObserver
+from .progress import Observer, TqdmObserver, progress_to
 from .streaming import predicted_peak_bytes
 
 
@@ -35,18 +34,6 @@ class Problem:
 
     def __str__(self) -> str:
         return f"{self.tensor} ({self.file}): {self.what}"
-
-
-def progress_to(observer: Observer, total: int) -> Callable[[int], None]:
-    """A thread-safe ``progress(nbytes)`` reporting the running total of bytes read to ``observer``."""
-    done, lock = [0], threading.Lock()
-
-    def progress(n: int) -> None:
-        with lock:
-            done[0] += n
-            observer.on_bytes(done[0], total)
-
-    return progress
 
 
 class ReadTqdm(TqdmObserver):

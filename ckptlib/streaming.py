@@ -6,21 +6,31 @@ inside the kernel when the sink can do that (``copy_from``). Chunks that go thro
 read one ahead in a background thread; a sink that keeps a CRC-32 (``takes_crc``) gets each chunk's
 CRC computed there too, beside the read, so the writing thread only writes.
 
-Memory: the three buffers of :class:`ChunkBuffers` (``3 * chunk_bytes``), whatever the tensor sizes.
+The buffers are plain bytes (anonymous memory maps) and the casts between float32, bfloat16 and float16 are
+:mod:`ckptlib.casting`'s, bit for bit torch's: nothing here imports torch, except a cast between other
+dtypes (float64 buffers to float32, say), which is left to torch, and :func:`read_ranges`, which makes
+a tensor.
+
+Memory: the three buffers of :class:`ChunkBuffers` (``3 * chunk_bytes``) and a cast scratch of 832 KiB,
+whatever the tensor sizes.
 """
 from __future__ import annotations
 
+import ctypes
+import mmap
+import os
+import sys
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional, Sequence
 
 from .dtypes import itemsize, torch_dtype
 from .progress import check_cancel
-from .ranges import StoredRange, Zeros, slice_ranges
+from .ranges import StoredRange, Zeros, numel, slice_ranges
 from .sources import SourceFiles
 
 DEFAULT_CHUNK_BYTES = 16 * 2**20
-FIXED_OVERHEAD_BYTES = 8 * 2**20  # allowance for the plan's object trees and bookkeeping
+FIXED_OVERHEAD_BYTES = 8 * 2**20  # allowance for the plan's object trees, the cast scratch and bookkeeping
 
 
 def predicted_peak_bytes(chunk_bytes: int, threads: int = 1) -> int:
@@ -31,22 +41,29 @@ def predicted_peak_bytes(chunk_bytes: int, threads: int = 1) -> int:
 
 class ChunkBuffers:
     """Reusable byte buffers of ``chunk_bytes`` each: two to read into (one is filled in the background
-    while the other is written out) and one to cast into.
+    while the other is written out) and one to cast into, with the cast's scratch (made on first use).
+    The buffers are private anonymous memory maps made here, once (a run that cannot get them fails before it
+    writes anything); their pages are only touched where bytes go through them, so a run whose bytes are
+    all copied inside the kernel leaves them untouched. Nothing here needs numpy or torch until a cast.
 
-    Memory: ``3 * chunk_bytes``, whatever the dtypes and tensor sizes.
+    Memory: ``3 * chunk_bytes`` (plus 832 KiB of scratch once a cast runs), whatever the dtypes and
+    tensor sizes.
     """
 
     def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
-        import torch
-
         self.chunk_bytes = max(16, chunk_bytes)
-        self._read = [torch.empty(self.chunk_bytes, dtype=torch.uint8) for _ in range(2)]
-        self._cast = torch.empty(self.chunk_bytes, dtype=torch.uint8)
+        self._read = [_private_map(self.chunk_bytes) for _ in range(2)]
+        self._cast = _private_map(self.chunk_bytes)
+        self._cast_start = ctypes.c_char.from_buffer(self._cast)  # for memset
+        self._zeroed = self.chunk_bytes  # the cast buffer holds zeros up to here (a new map is all zeros)
+        self._scratch = None
         self._pool: Optional[ThreadPoolExecutor] = None
 
     @property
     def pool(self) -> ThreadPoolExecutor:
+        """The read-ahead thread, started on first use once there is room for it (:func:`thread_room`)."""
         if self._pool is None:
+            thread_room()
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptlib-read")
         return self._pool
 
@@ -54,11 +71,35 @@ class ChunkBuffers:
         """Elements of the widest of ``dtypes`` (names) that fit in one buffer."""
         return self.chunk_bytes // max(itemsize(d) for d in dtypes)
 
-    def read_view(self, dtype: str, n: int, slot: int = 0):
-        return self._read[slot][:n * itemsize(dtype)].view(torch_dtype(dtype))
+    def read_view(self, dtype: str, n: int, slot: int = 0) -> memoryview:
+        """The bytes of ``n`` elements of ``dtype`` at the start of read buffer ``slot``."""
+        return memoryview(self._read[slot])[:n * itemsize(dtype)]
 
-    def cast_view(self, dtype: str, n: int):
-        return self._cast[:n * itemsize(dtype)].view(torch_dtype(dtype))
+    def cast_view(self, dtype: str, n: int) -> memoryview:
+        """The bytes of ``n`` elements of ``dtype`` at the start of the cast buffer."""
+        self._zeroed = 0
+        return memoryview(self._cast)[:n * itemsize(dtype)]
+
+    def zeros(self, nbytes: int) -> memoryview:
+        """``nbytes`` zero bytes (the cast buffer, zeroed once for as long as no cast reuses it)."""
+        if self._zeroed < nbytes:
+            ctypes.memset(ctypes.addressof(self._cast_start) + self._zeroed, 0, nbytes - self._zeroed)
+            self._zeroed = nbytes
+        return memoryview(self._cast)[:nbytes]
+
+    def cast(self, src: memoryview, src_dtype: str, dtype: str, n: int) -> memoryview:
+        """``n`` elements of ``src`` (of ``src_dtype``) cast to ``dtype`` into the cast buffer; the result's bytes."""
+        out = self.cast_view(dtype, n)
+        cast_bytes(src, src_dtype, out, dtype, self)
+        return out
+
+    @property
+    def scratch(self):
+        if self._scratch is None:
+            from .casting import Scratch
+
+            self._scratch = Scratch()
+        return self._scratch
 
     def close(self) -> None:
         if self._pool is not None:
@@ -72,10 +113,89 @@ class ChunkBuffers:
             pass
 
 
-def _bytes(t) -> memoryview:
-    import torch
+#: what importing numpy (the casts' kernels) maps into the data segment, measured with numpy 2.4 and its
+#: OpenBLAS 0.3.31: about 3 MiB, plus about 41 MiB of buffers for each thread OpenBLAS starts at import. OpenBLAS
+#: takes them while numpy loads and ends the process when it cannot ("OpenBLAS error: Memory allocation still
+#: failed after 10 retries"), so :func:`load_cast_kernels` checks the room first.
+NUMPY_IMPORT_BYTES, OPENBLAS_THREAD_BYTES = 4 * 2**20, 42 * 2**20
 
-    return memoryview(t.view(torch.uint8).numpy())
+
+def openblas_threads() -> int:
+    """The threads OpenBLAS will start when numpy loads (its environment variables, else the usable cores)."""
+    for var in ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS"):
+        value = os.environ.get(var, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return min(int(value), 64)
+    try:
+        return min(len(os.sched_getaffinity(0)), 64)
+    except (AttributeError, OSError):
+        return min(os.cpu_count() or 1, 64)
+
+
+def load_cast_kernels() -> None:
+    """Load the casts' kernels (numpy, :mod:`ckptlib.casting`) now, before a run writes anything.
+
+    Raises:
+        OutOfMemoryError: numpy is not loaded yet and there is less room (``ulimit -d``, the cgroup, the
+            machine) than loading it takes (:data:`NUMPY_IMPORT_BYTES` and :data:`OPENBLAS_THREAD_BYTES`
+            per OpenBLAS thread).
+    """
+    if "numpy" not in sys.modules:
+        from .allocation import out_of_memory_message
+        from .errors import OutOfMemoryError
+        from .memory import system_memory
+
+        threads = openblas_threads()
+        need = NUMPY_IMPORT_BYTES + OPENBLAS_THREAD_BYTES * threads
+        room = system_memory()
+        if room.headroom < need:
+            raise OutOfMemoryError(
+                out_of_memory_message(need, "loading numpy for the casts", room),
+                hint=f"free memory or raise the limit (numpy's OpenBLAS starts {threads} thread(s) with buffers of "
+                     "their own; OPENBLAS_NUM_THREADS=1 needs the least); nothing was written")
+    from . import casting  # noqa: F401 - loaded here, on purpose
+
+
+#: what a new thread takes beyond its stack (Python's thread state, locks, the first frames)
+THREAD_EXTRA_BYTES = 4 * 2**20
+
+
+def thread_room() -> None:
+    """Raise ``MemoryError`` unless there is room (``ulimit -d``, cgroup, machine) for one more thread: its
+    stack (``ulimit -s``) and :data:`THREAD_EXTRA_BYTES`. A thread that gets its stack but then fails to
+    allocate inside Python's own start-up leaves ``Thread.start()`` waiting for ever; this check turns that
+    case, at the memory floor, into the run's one-line out-of-memory error."""
+    import resource
+
+    from .memory import system_memory
+
+    stack = resource.getrlimit(resource.RLIMIT_STACK)[0]
+    stack = 8 * 2**20 if stack == resource.RLIM_INFINITY or stack <= 0 else stack
+    if system_memory().headroom < stack + THREAD_EXTRA_BYTES:
+        raise MemoryError("no room for the read-ahead thread")
+
+
+def _private_map(nbytes: int) -> mmap.mmap:
+    """Anonymous private memory of ``nbytes`` (counted as the process's anonymous memory and against
+    ``ulimit -d``, as any allocation; untouched pages cost nothing)."""
+    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+def cast_bytes(src: memoryview, src_dtype: str, out: memoryview, dtype: str, bufs: Optional[ChunkBuffers] = None) -> None:
+    """Write the elements in ``src`` (of ``src_dtype``) into ``out`` as ``dtype``, bit for bit as torch casts:
+    :mod:`ckptlib.casting` for float32/bfloat16/float16 (and same-dtype copies), torch for other pairs.
+    Memory: the scratch of ``bufs`` (or one made for the call)."""
+    from .casting import can_cast, cast
+
+    if can_cast(src_dtype, dtype):
+        cast(src, src_dtype, out, dtype, bufs.scratch if bufs is not None else None)
+        return
+    import torch  # a pair ckptlib.casting does not do (float64, integers to floats): torch's own cast
+
+    n = src.nbytes // itemsize(src_dtype)
+    if n:
+        dst = torch.frombuffer(out, dtype=torch_dtype(dtype), count=n)
+        dst.copy_(torch.frombuffer(src, dtype=torch_dtype(src_dtype), count=n))
 
 
 def _plan_chunks(ranges: Sequence, dtype: str, bufs: ChunkBuffers, direct: bool) -> list[tuple]:
@@ -101,6 +221,7 @@ def copy_ranges(ranges: Sequence, dtype: str, sink, bufs: ChunkBuffers, files: S
     ``sink`` has ``write(memoryview[, crc])`` and optionally ``copy_from(fd, offset, nbytes)``
     (``can_copy``) and ``takes_crc``. With ``drop_cache`` the page-cache pages of each source range
     are released once copied. ``cancel`` (anything with ``is_set()``) stops it at the next chunk.
+    Memory: the buffers ``bufs``; nothing per chunk.
     """
     items = _plan_chunks(ranges, dtype, bufs, getattr(sink, "can_copy", False))
     reads = [i for i, it in enumerate(items) if it[0] == "read"]
@@ -120,10 +241,8 @@ def copy_ranges(ranges: Sequence, dtype: str, sink, bufs: ChunkBuffers, files: S
         for i, it in enumerate(items):
             check_cancel(cancel)
             if it[0] == "zeros":
-                z = bufs.cast_view(dtype, it[1])
-                z.zero_()
-                sink.write(_bytes(z))
                 nbytes = it[1] * size
+                sink.write(bufs.zeros(nbytes))
             elif it[0] == "copy":
                 r = it[1]
                 sink.copy_from(files.fd(r.path), r.offset, r.nbytes)
@@ -133,14 +252,12 @@ def copy_ranges(ranges: Sequence, dtype: str, sink, bufs: ChunkBuffers, files: S
                 r = it[1]
                 chunk, crc = ahead.pop(i).result()
                 if r.dtype != dtype:
-                    cast = bufs.cast_view(dtype, r.count)
-                    cast.copy_(chunk)
-                    chunk = cast
+                    chunk = bufs.cast(chunk, r.dtype, dtype, r.count)
                 submit(k + 1)  # the read slot is free again once cast; else the other slot
                 if want_crc:
-                    sink.write(_bytes(chunk), crc)
+                    sink.write(chunk, crc)
                 else:
-                    sink.write(_bytes(chunk))
+                    sink.write(chunk)
                 k += 1
                 nbytes = r.count * size
             if drop_cache and it[0] != "zeros":
@@ -153,54 +270,83 @@ def copy_ranges(ranges: Sequence, dtype: str, sink, bufs: ChunkBuffers, files: S
     return total
 
 
-def _read_chunk(files: SourceFiles, r: StoredRange, out, crc: bool) -> tuple:
+def _read_chunk(files: SourceFiles, r: StoredRange, out: memoryview, crc: bool) -> tuple:
     """Read range ``r`` into ``out`` (in the read-ahead thread); with ``crc``, its CRC-32 too."""
-    files.read_into(r.path, r.offset, _bytes(out))
-    return out, (zlib.crc32(_bytes(out)) if crc else None)
+    files.read_into(r.path, r.offset, out)
+    return out, (zlib.crc32(out) if crc else None)
+
+
+def fill_bytes(ranges: Sequence, dtype: str, files: SourceFiles, out: memoryview,
+               bufs: Optional[ChunkBuffers] = None) -> None:
+    """Fill ``out`` with the concatenation of ``ranges`` as ``dtype`` (zeros, reads, casts where a range is
+    stored in another dtype). Memory: a range's stored bytes when it needs a cast; else none."""
+    pos, size = 0, itemsize(dtype)
+    for r in ranges:
+        n = r.count * size
+        dst = out[pos:pos + n]
+        if isinstance(r, Zeros):
+            dst[:] = bytes(n)
+        elif r.dtype == dtype:
+            files.read_into(r.path, r.offset, dst)
+        else:
+            tmp = memoryview(bytearray(r.nbytes))
+            files.read_into(r.path, r.offset, tmp)
+            cast_bytes(tmp, r.dtype, dst, dtype, bufs)
+        pos += n
 
 
 def first_difference(a: Sequence, b: Sequence, dtype: str, files: SourceFiles,
                      chunk_bytes: int = DEFAULT_CHUNK_BYTES, cancel: Any = None) -> Optional[int]:
     """The first element where ranges ``a`` and ``b`` (both read as ``dtype``) differ bit for bit, or None
-    when they are equal (also in length). Memory: two chunks of ``chunk_bytes``."""
-    import torch
+    when they are equal (also in length). Memory: two chunks of ``chunk_bytes``. No torch."""
+    import numpy as np
 
-    n = sum(r.count for r in a)
-    if sum(r.count for r in b) != n:
+    n = numel(a)
+    if numel(b) != n:
         return 0
-    step = max(1, chunk_bytes // itemsize(dtype))
+    size = itemsize(dtype)
+    step = max(1, chunk_bytes // size)
+    x, y = (np.empty(min(step, n) * size, dtype=np.uint8) for _ in range(2))
     for pos in range(0, n, step):
         check_cancel(cancel)
         k = min(step, n - pos)
-        x = read_ranges(slice_ranges(a, pos, k), dtype, files).view(torch.uint8)
-        y = read_ranges(slice_ranges(b, pos, k), dtype, files).view(torch.uint8)
-        if not torch.equal(x, y):
-            return pos + int((x != y).nonzero()[0]) // itemsize(dtype)
+        xs, ys = x[:k * size], y[:k * size]
+        fill_bytes(slice_ranges(a, pos, k), dtype, files, memoryview(xs))
+        fill_bytes(slice_ranges(b, pos, k), dtype, files, memoryview(ys))
+        if not np.array_equal(xs, ys):
+            return pos + int(np.flatnonzero(xs != ys)[0]) // size
     return None
 
 
 def read_ranges(ranges: Sequence, dtype: str, files: SourceFiles):
-    """The concatenation of ``ranges`` as one 1-D torch tensor of ``dtype`` (cast where needed).
+    """The concatenation of ``ranges`` as one 1-D torch tensor of ``dtype`` (cast where needed; imports torch).
 
     Memory: the result plus the largest range in its stored dtype.
     """
     import torch
 
-    out = torch.empty(sum(r.count for r in ranges), dtype=torch_dtype(dtype))
+    out = torch.empty(numel(ranges), dtype=torch_dtype(dtype))
     pos = 0
     for r in ranges:
         dst = out[pos:pos + r.count]
         if isinstance(r, Zeros):
             dst.zero_()
         elif r.dtype == dtype:
-            files.read_into(r.path, r.offset, _bytes(dst))
+            files.read_into(r.path, r.offset, _tensor_bytes(dst))
         else:
             tmp = torch.empty(r.count, dtype=torch_dtype(r.dtype))
-            files.read_into(r.path, r.offset, _bytes(tmp))
+            files.read_into(r.path, r.offset, _tensor_bytes(tmp))
             dst.copy_(tmp)
         pos += r.count
     return out
 
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "FIXED_OVERHEAD_BYTES", "predicted_peak_bytes", "ChunkBuffers",
-           "copy_ranges", "read_ranges", "first_difference"]
+def _tensor_bytes(t) -> memoryview:
+    import torch
+
+    return memoryview(t.view(torch.uint8).numpy())
+
+
+__all__ = ["DEFAULT_CHUNK_BYTES", "FIXED_OVERHEAD_BYTES", "predicted_peak_bytes", "ChunkBuffers", "load_cast_kernels",
+           "openblas_threads",
+           "cast_bytes", "copy_ranges", "fill_bytes", "read_ranges", "first_difference"]

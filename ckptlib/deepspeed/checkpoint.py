@@ -14,6 +14,7 @@ import os
 from typing import Optional, Union
 
 from ..errors import IncompleteCheckpointError, UnsupportedCheckpointError
+from ..gcpause import gc_paused
 from ..layout import Piece
 from ..mesh import Rank
 from ..plan import SourceRef
@@ -25,7 +26,7 @@ from .discovery import Location, locate, repair_hint
 from .fileset import OpenedFiles
 from .join import PIPELINE, RULES_HINT, join
 from .model import ModelView
-from .records import BufferInfo, ParameterInfo, Records
+from .records import BufferInfo, NameIndex, ParameterInfo, Records
 from .releases import written_by
 from .tensor_parallel import SplitRules, load_rules
 from .zeroset import ZeroSet
@@ -58,12 +59,14 @@ class Checkpoint:
 
     def __init__(self, location: Location, tp_rules: Optional[SplitRules] = None):
         self.location = location
+        self._params, self._buffers = NameIndex(), NameIndex()
         self.notes: list[str] = list(location.notes)
         self.problems: list[str] = []
         self._files = OpenedFiles(location, self.problems)
         self._reader = SourceFiles(self._files.stats)
         try:
             joined = join(self._files, self.notes, self.problems, tp_rules)
+            self._files.forget_pickles()
         except IncompleteCheckpointError as e:
             self.close()
             e.hint = repair_hint(location)
@@ -122,16 +125,16 @@ class Checkpoint:
                          tp_rules=self.tp_rules)
 
     def param(self, name: str) -> ParameterInfo:
-        for p in self.parameters:
-            if p.name == name:
-                return p
-        raise KeyError(f"no parameter named {name!r} in {self.location.tag_dir}")
+        p = self._params.get(self.parameters, name)
+        if p is None:
+            raise KeyError(f"no parameter named {name!r} in {self.location.tag_dir}")
+        return p
 
     def buffer(self, name: str) -> BufferInfo:
-        for b in self.buffers:
-            if b.name == name:
-                return b
-        raise KeyError(f"no buffer named {name!r} in {self.location.tag_dir}")
+        b = self._buffers.get(self.buffers, name)
+        if b is None:
+            raise KeyError(f"no buffer named {name!r} in {self.location.tag_dir}")
+        return b
 
     def state_dict_names(self) -> list[str]:
         """Parameter and buffer names in the model's ``state_dict`` order (tied aliases included)."""
@@ -268,6 +271,7 @@ class Checkpoint:
                 f"dp={self.mesh.dp}{mesh}, params={len(self.parameters)})")
 
 
+@gc_paused
 def open_checkpoint(path: str | os.PathLike, tag: Optional[str] = None,
                     tp_rules: Union[str, os.PathLike, SplitRules, None] = None) -> Checkpoint:
     """Open a DeepSpeed checkpoint for inspection and on-demand reads.

@@ -5,7 +5,7 @@ import os
 from typing import Optional
 
 from ..errors import CkptError, UnsafeCheckpointError
-from ..torchzip import ReadStats, TorchFile
+from ..torchzip import PickleMemo, ReadStats, TorchFile
 from . import files as fnames
 from .discovery import Location
 from .records import FileInfo
@@ -26,7 +26,9 @@ def list_files(location: Location) -> list[FileInfo]:
 
 
 class OpenedFiles:
-    """Opens the pickles of a tag folder's files on demand, once each.
+    """Opens the pickles of a tag folder's files on demand, once each (a file whose pickle repeats one
+    already read is checked without unpickling it again until its tree is used:
+    :class:`~ckptlib.torchzip.PickleMemo`).
 
     A file that cannot be read becomes a problem (``problems``, one sentence naming it) and ``None``;
     a hostile pickle stops everything (:class:`~ckptlib.errors.UnsafeCheckpointError`).
@@ -39,6 +41,11 @@ class OpenedFiles:
         self.problems: list[str] = problems if problems is not None else []
         self._open: dict[str, Optional[TorchFile]] = {}
         self._errors: dict[str, CkptError] = {}
+        self._memo: Optional[PickleMemo] = PickleMemo()  # ZeRO-3's rank files repeat one pickle
+
+    def forget_pickles(self) -> None:
+        """Stop remembering the pickles seen (files opened from now on are unpickled on their own)."""
+        self._memo = None
 
     def of(self, kind: str, mp_rank: int = 0) -> list[FileInfo]:
         return [f for f in self.files if f.kind == kind and (f.mp_rank or 0) == mp_rank]
@@ -47,7 +54,7 @@ class OpenedFiles:
         key = str(info.path)
         if key not in self._open:
             try:
-                self._open[key] = TorchFile(info.path, stats=self.stats)
+                self._open[key] = TorchFile(info.path, stats=self.stats, memo=self._memo)
             except UnsafeCheckpointError:
                 raise  # never half-open a checkpoint that holds a hostile pickle
             except CkptError as e:

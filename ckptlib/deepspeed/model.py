@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Hashable, Optional
 
 from ..placement import Block, row_major_strides, runs
-from ..ranges import slice_ranges
-from .records import BufferInfo, ParameterInfo
+from ..ranges import range_starts, slice_ranges
+from .records import BufferInfo, NameIndex, ParameterInfo
 
 #: resolves a block's source (and an optimizer state key, None for the weight) to its local range list
 Resolver = Callable[[Hashable, Optional[str]], list]
@@ -43,22 +43,25 @@ class ModelView:
     notes: list = field(default_factory=list)
     roles: dict = field(default_factory=dict)  # tensor parallel: name -> "replicated"/"column"/"row"/"vocabulary"/"affine"
 
+    _params: NameIndex = field(default_factory=NameIndex, init=False, repr=False, compare=False)
+    _buffers: NameIndex = field(default_factory=NameIndex, init=False, repr=False, compare=False)
+
     def param(self, name: str) -> ParameterInfo:
-        for p in self.parameters:
-            if p.name == name:
-                return p
-        raise KeyError(name)
+        p = self._params.get(self.parameters, name)
+        if p is None:
+            raise KeyError(name)
+        return p
 
     def buffer(self, name: str) -> BufferInfo:
-        for b in self.buffers:
-            if b.name == name:
-                return b
-        raise KeyError(name)
+        b = self._buffers.get(self.buffers, name)
+        if b is None:
+            raise KeyError(name)
+        return b
 
     def _owner(self, name: str) -> tuple[str, tuple]:
-        for b in self.buffers:
-            if b.name == name:
-                return name, tuple(b.shape)
+        b = self._buffers.get(self.buffers, name)
+        if b is not None:
+            return name, tuple(b.shape)
         p = self.param(name)
         if p.tied_to:
             return self._owner(p.tied_to)
@@ -74,12 +77,14 @@ class ModelView:
             numel *= s
         if len(blocks) == 1 and _whole(blocks[0], shape):
             return list(self.resolve(blocks[0].source, key))
-        local: dict = {}
+        local: dict = {}  # source -> (its ranges, where each starts): each run is found by binary search
         out: list = []
         for r in runs(blocks, numel, owner):
             if r.source not in local:
-                local[r.source] = self.resolve(r.source, key)
-            out += slice_ranges(local[r.source], r.local_start, r.count)
+                ranges = self.resolve(r.source, key)
+                local[r.source] = (ranges, range_starts(ranges))
+            ranges, starts = local[r.source]
+            out += slice_ranges(ranges, r.local_start, r.count, starts)
         return out
 
     def replica_checks(self, name: str, key: Optional[str] = None) -> list[tuple[str, list, list]]:

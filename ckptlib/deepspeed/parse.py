@@ -215,7 +215,7 @@ def _optimizer(rec: Records, model: dict) -> Optional[OptimizerInfo]:
     if step is None and first is not None:
         step = first.get("base_optimizer_state_step")
     if isinstance(step, TensorHandle):
-        step = step.read().item() if step.numel == 1 else None
+        step = step.item() if step.numel == 1 else None
     return OptimizerInfo(wrapper=wrapper, state_keys=keys, step=int(step) if step is not None else None,
                          param_groups=[plain(g) for g in groups],
                          loss_scale=float(scale) if isinstance(scale, (int, float)) else None)

@@ -119,11 +119,12 @@ def build_zero3(rec: Records, fs: OpenedFiles, model: dict, model_files: list[Fi
                                         f"{want} are expected from param_shapes at {n} ranks")
     trainable = {name: (tuple(shape), k) for k, group in enumerate(sub_groups) for name, shape in group.items()}
     frozen_shapes = {nm: tuple(s) for nm, s in (model.get("frozen_param_shapes") or {}).items()}
-    # every rank's model file holds its chunk of each frozen parameter; ties are those rank 0 records
+    # every rank's model file holds its chunk of each frozen parameter; ties are those rank 0 records. Each
+    # file is opened (and so checked); its object tree is only looked at when there are frozen parameters
     by_rank: dict[int, dict] = {}
     for f in model_files:
         tf = fs.get(f)
-        if tf is not None and f.dp_rank is not None and isinstance(tf.obj, dict):
+        if frozen_shapes and tf is not None and f.dp_rank is not None and isinstance(tf.obj, dict):
             by_rank[f.dp_rank] = tf.obj.get("frozen_param_fragments") or {}
     shared = model.get("shared_params")
     rec.index.frozen = {}

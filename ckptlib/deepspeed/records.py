@@ -119,5 +119,22 @@ class Records:
     index: TensorIndex = field(default_factory=TensorIndex)
 
 
+class NameIndex:
+    """Finds items of a list by their ``name`` (the first with that name) in constant time; the index is
+    rebuilt when the list is another object or has another length than when it was built."""
+
+    def __init__(self):
+        self._of: Optional[tuple] = None  # (the list, its length, {name: item})
+
+    def get(self, items: list, name: str) -> Any:
+        """The first item of ``items`` named ``name``, or None."""
+        if self._of is None or self._of[0] is not items or self._of[1] != len(items):
+            index: dict = {}
+            for item in items:
+                index.setdefault(item.name, item)
+            self._of = (items, len(items), index)
+        return self._of[2].get(name)
+
+
 __all__ = ["ZERO", "BF16_OPTIMIZER", "NO_ZERO", "Layout", "FileInfo", "ParameterInfo", "BufferInfo", "OptimizerInfo",
-           "TensorIndex", "Records"]
+           "TensorIndex", "Records", "NameIndex"]

@@ -16,11 +16,11 @@ from typing import Optional
 from ..errors import IncompleteCheckpointError
 from ..layout import Piece
 from ..mesh import Rank
-from ..ranges import StoredRange
+from ..ranges import StoredRange, Zeros
 from ..torchzip import TensorHandle, TorchFile
 from . import files as fnames
 from .fileset import OpenedFiles
-from .records import NO_ZERO, BufferInfo, ParameterInfo, Records
+from .records import NO_ZERO, BufferInfo, NameIndex, ParameterInfo, Records
 from .releases import written_by
 
 
@@ -39,6 +39,9 @@ class ZeroSet:
         self.records, self.mp, self.coordinate = records, mp, coordinate
         self.location = files.location
         self._files = files
+        self._ranks: dict[int, Rank] = {}
+        self._flats: dict[tuple, tuple] = {}  # (dp, group, state) -> (partition tensor, its flat_base())
+        self._params, self._buffers = NameIndex(), NameIndex()
 
     zero_stage = property(lambda self: self.records.zero_stage)
     flavor = property(lambda self: self.records.flavor)
@@ -62,22 +65,25 @@ class ZeroSet:
 
     def rank(self, dp: int) -> Rank:
         """The mesh coordinate of this set's data rank ``dp``."""
-        return dataclasses.replace(self.coordinate, dp=dp)
+        r = self._ranks.get(dp)
+        if r is None:
+            r = self._ranks[dp] = dataclasses.replace(self.coordinate, dp=dp)
+        return r
 
     def written_by(self) -> str:
         return written_by(self.deepspeed_version)
 
     def param(self, name: str) -> ParameterInfo:
-        for p in self.parameters:
-            if p.name == name:
-                return p
-        raise KeyError(f"no parameter named {name!r} in {self.location.tag_dir} (mp rank {self.mp})")
+        p = self._params.get(self.parameters, name)
+        if p is None:
+            raise KeyError(f"no parameter named {name!r} in {self.location.tag_dir} (mp rank {self.mp})")
+        return p
 
     def buffer(self, name: str) -> BufferInfo:
-        for b in self.buffers:
-            if b.name == name:
-                return b
-        raise KeyError(f"no buffer named {name!r} in {self.location.tag_dir} (mp rank {self.mp})")
+        b = self._buffers.get(self.buffers, name)
+        if b is None:
+            raise KeyError(f"no buffer named {name!r} in {self.location.tag_dir} (mp rank {self.mp})")
+        return b
 
     def state_dict_names(self) -> list[str]:
         """Parameter and buffer names in the module's ``state_dict`` order (tied aliases included)."""
@@ -150,7 +156,7 @@ class ZeroSet:
         """The stored ranges that, concatenated, give parameter ``name`` flattened, in this set's terms
         (metadata only). ``key`` None: the fp32 master (trainable), the stored 16-bit/fp32 value (frozen)
         or the buffer; otherwise the optimizer state ``key``. A tied alias gives its owner's ranges."""
-        if key is None and any(b.name == name for b in self.buffers):
+        if key is None and self._buffers.get(self.buffers, name) is not None:
             return self.module_tensor(name).ranges()
         p = self.param(name)
         if p.tied_to:
@@ -161,9 +167,34 @@ class ZeroSet:
             return self._frozen_ranges(p)
         if self.flavor == NO_ZERO:
             return self._stage0_handle(p, key).ranges(0, p.numel)
-        out: list[StoredRange] = []
-        for pc in self.pieces(name):
-            out += self.partition_tensor(self.rank(pc.rank), pc.group, key).ranges(pc.rank_start, pc.count)
+        return self.piece_ranges(self.pieces(name), key)
+
+    def piece_ranges(self, pieces: list, key: Optional[str] = None) -> list:
+        """The stored ranges of layout ``pieces`` in the partition tensors of state ``key`` (None: the fp32
+        master); :class:`~ckptlib.ranges.Zeros` among them are kept as they are. Metadata only.
+
+        Each rank's partition tensor is looked up once per set (a ZeRO-3 plan at 512 ranks asks for
+        millions of pieces); the ranges of the (contiguous, 1-D) flat partitions are made directly from
+        :meth:`~ckptlib.torchzip.TensorHandle.flat_base`."""
+        out: list = []
+        append, flats, make = out.append, self._flats, StoredRange
+        for p in pieces:
+            if isinstance(p, Zeros):
+                append(p)
+                continue
+            t = flats.get((p.rank, p.group, key))
+            if t is None:
+                h = self.partition_tensor(self.rank(p.rank), p.group, key)
+                t = flats[(p.rank, p.group, key)] = (h, h.flat_base())
+            flat = t[1]
+            if flat is None:
+                out += t[0].ranges(p.rank_start, p.count)
+                continue
+            start, count = p.rank_start, p.count
+            if start < 0 or count < 0 or start + count > flat[4]:
+                raise IndexError(f"element range [{start}, {start + count}) outside a tensor of {flat[4]} elements")
+            if count:
+                append(make(flat[0], flat[1] + start * flat[3], flat[2], count))
         return out
 
     def _frozen_ranges(self, p: ParameterInfo) -> list[StoredRange]:

@@ -1,95 +1,298 @@
-"""Running a plan under ``torchrun``: every rank writes a disjoint share of the units, rank 0 finishes.
+"""Running a plan under ``torchrun``: every rank writes a disjoint share of the files, rank 0 finishes.
 
-Each rank makes the same plan from metadata (or receives it). Rank 0 checks the source, creates the
-temporary output folder and the safetensors headers and tells the others where it is; every rank
-writes the units :func:`~ckptlib.execute.writers.assign` gives it; rank 0 writes the text finals and
-renames the folder into place once every rank reported success, or removes it if any failed. The
-output folder must be on a file system all ranks share. Uses ``torch.distributed`` with whatever
-backend is initialised (gloo if ckptlib initialises it).
+Any plan runs this way (export, reshard, universal: one runner). :func:`shared_plan` makes the plan on
+rank 0 only and hands it to every rank (plans are plain data; they pickle), so the others never read
+the checkpoint's metadata and all ranks write from one and the same plan. :func:`run_distributed`
+then goes in three steps, each ended by a collective:
 
-Memory per rank: ``plan.predicted_peak_bytes``.
+1. rank 0 checks that the source is unchanged, compares the plan's replicated copies, creates the
+   hidden temporary output folder (with the plan's folders and the safetensors headers) and tells the
+   others where it is;
+2. every rank writes the units :func:`~ckptlib.execute.writers.assign` gives it (the plan's units
+   balanced over the ranks by bytes: whole files, a safetensors file's tensors each on its own) with
+   ``plan.workers`` threads when the plan writes in threads, and syncs what it wrote to disk;
+3. once every rank has reported (a barrier: ``all_gather``), rank 0 writes the text finals and renames
+   the folder into place, one atomic rename; if any rank failed, it removes the folder instead and
+   every rank raises :class:`DistributedFailure`, whose message (rank 0's) names each failed rank
+   and why.
+
+A rank that dies (killed, out of memory) makes the others' collectives fail, or torchrun stops them
+with SIGTERM: rank 0 then removes the temporary folder as well. Only the death of rank 0 itself
+leaves a hidden temporary sibling behind (never looking finished; the next run on the same output
+removes it). The output folder must be on a file system all ranks share (one machine, or NFS/Lustre
+across nodes). Uses ``torch.distributed`` with whatever backend is initialised (gloo if ckptlib
+initialises it, from torchrun's environment).
+
+Memory per rank: ``plan.predicted_peak_bytes`` (the same as a single-process run of the plan), plus
+the pickled plan while it is handed out.
 """
 from __future__ import annotations
 
+import contextlib
+import itertools
+import os
+import signal
+import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from ..errors import CkptError
 from ..memory import watch_memory
-from ..output import AtomicOutputDir
-from ..plan import Plan
+from ..output import AtomicOutputDir, reporting_failures
+from ..plan import THREADS, Plan
 from ..progress import Observer
 from ..sources import check_unchanged
+from ..streaming import load_cast_kernels
 from .runner import RunResult, compare_copies, finished, write_in_threads
-from .writers import assign, prepare, units, write_finals
+from .writers import Unit, assign, needs_cast_kernels, prepare, units, write_finals
+
+
+class DistributedFailure(CkptError):
+    """A distributed run (or its planning) failed on some rank; nothing was created. The message names
+    the failed ranks and why (with their hints). ``everywhere``: every rank raises this same message,
+    which rank 0 sent (the CLI then prints it on rank 0 only); otherwise it is this rank's own (a
+    collective failed because another rank died)."""
+
+    default_hint = None
+
+    def __init__(self, message: str, path=None, hint=None, everywhere: bool = True):
+        super().__init__(message, path=path, hint=hint)
+        self.everywhere = everywhere
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived during a distributed run (torchrun stops the other ranks when one dies)."""
+
+
+_JOINS = itertools.count()  # process groups joined by this process (the same count on every rank)
+
+
+@contextlib.contextmanager
+def process_group(backend: str = "gloo") -> Iterator[None]:
+    """The default process group for the block: joined here with ``backend`` from torchrun's environment
+    (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) unless one is initialised already, and
+    left at the end if it was joined here.
+
+    Raises:
+        CkptError: not started by torchrun, or the rendezvous failed.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    try:
+        store, rank, world = next(dist.rendezvous("env://"))
+        # each joining gets its own key space in the launcher's store: after a destroy_process_group a second
+        # group would otherwise find the first one's addresses there (the ranks join equally often)
+        store = dist.PrefixStore(f"ckptlib-{next(_JOINS)}", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+    except (RuntimeError, ValueError) as e:  # no torchrun environment, or the rendezvous timed out
+        raise CkptError(f"cannot join the process group of a distributed run ({str(e).splitlines()[0]})",
+                        hint="start every node with torchrun (e.g. `torchrun --nproc_per_node 2 -m ckptlib reshard "
+                             "... --distributed`), or leave out --distributed") from None
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _describe(e: BaseException) -> str:
+    """One rank's failure in a line or two (its message, not a traceback)."""
+    if isinstance(e, CkptError):
+        return str(e)
+    if isinstance(e, Terminated):
+        return "stopped by SIGTERM (torchrun stops every rank when one of them dies)"
+    if isinstance(e, KeyboardInterrupt):
+        return "interrupted"
+    if isinstance(e, OSError):
+        where = f" {e.filename}" if e.filename else " the output"
+        return (f"writing{where} failed ({e.strerror or e})\n  hint: check free space and permissions of the "
+                "output location")
+    first = (str(e).strip().splitlines() or [""])[0]
+    if isinstance(e, RuntimeError) and any(w in first for w in ("gloo", "Connection", "connection", "timed out")):
+        return (f"lost contact with another rank ({first[:200]})\n  hint: that rank stopped (killed, out of memory, "
+                "or it failed to start): its own log says why")
+    return f"{type(e).__name__}: {first}"
+
+
+def shared_plan(make: Callable[[], Plan]) -> Plan:
+    """The plan ``make()`` returns on rank 0, on every rank of the default process group (which must be
+    initialised, e.g. by :func:`process_group`): rank 0 alone reads the checkpoint's metadata and
+    broadcasts the plan, so every rank writes from the same plain data.
+
+    If ``make`` fails on rank 0, rank 0 raises that error and the other ranks raise
+    :class:`DistributedFailure` with its message.
+
+    Memory: the plan on every rank (and its pickled bytes while it is broadcast; kilobytes for the
+    1 GB benchmark checkpoints).
+    """
+    import torch.distributed as dist
+
+    box: list = [None]
+    failure: Optional[BaseException] = None
+    if dist.get_rank() == 0:
+        try:
+            box = [("ok", make())]
+        except BaseException as e:  # tell the others before raising
+            failure = e
+            box = [("error", f"rank 0 could not plan the run: {_describe(e)}")]
+    dist.broadcast_object_list(box, src=0)
+    if failure is not None:
+        raise failure
+    if box[0][0] == "error":
+        raise DistributedFailure(box[0][1])
+    return box[0][1]
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """While the block runs, SIGTERM raises :class:`Terminated` in the main thread (so that cleanup
+    runs); the previous handler is restored afterwards. Does nothing outside the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _sync_files(plan: Plan, work: list[Unit], tmp: Path) -> None:
+    """fsync the files this rank wrote into (another node's rank 0 cannot flush them for it)."""
+    for i in sorted({u.file for u in work}):
+        fd = os.open(tmp / plan.files[i].name, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _scaled_progress(observer: Observer, share: int, total: int) -> Callable[[int], None]:
+    """Rank 0's progress through its own share, reported as a part of the whole plan (the shares are
+    balanced by bytes, so rank 0 is about as far as the others)."""
+    done = [0]
+    lock = threading.Lock()
+
+    def progress(n: int) -> None:
+        with lock:
+            done[0] += n
+            observer.on_bytes(min(total, done[0] * total // max(share, 1)), total)
+
+    return progress
 
 
 def run_distributed(plan: Plan, observer: Optional[Observer] = None, cancel: Any = None) -> RunResult:
-    """Execute ``plan`` cooperatively on all ranks of the default process group; returns the result
-    on every rank (``bytes_read`` summed over the ranks; ``memory`` is this rank's)."""
+    """Execute ``plan`` cooperatively on all ranks of the default process group (joined here from
+    torchrun's environment if needed; see the module docstring for the steps). Every rank must call it
+    with the same plan (:func:`shared_plan` makes sure). Returns the result on every rank
+    (``bytes_read`` summed over the ranks; ``memory`` is this rank's); ``observer`` is used on rank 0
+    only.
+
+    Raises:
+        DistributedFailure: on every rank, if any rank failed; the output folder was not created.
+
+    Memory per rank: ``plan.predicted_peak_bytes`` (``plan.workers`` writing threads per rank when the
+    plan writes in threads, else one), whatever the model size.
+    """
     import torch.distributed as dist
 
-    own_group = False
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
-        own_group = True
-    try:
+    with process_group(), _sigterm_raises():
         rank, world = dist.get_rank(), dist.get_world_size()
         observer = observer if (observer is not None and rank == 0) else Observer()
         t0 = time.perf_counter()
-        with watch_memory() as watch:
-            observer.on_start(plan)
-            atomic, msg = None, [None]
-            if rank == 0:
+        atomic: Optional[AtomicOutputDir] = None
+        try:
+            with watch_memory() as watch:
+                observer.on_start(plan)
+                tmp, atomic = _prepare_on_rank0(plan, rank)
+                mine = assign(units(plan, split=True), world)[rank]
+                error, read = None, 0
                 try:
-                    check_unchanged(plan.source.stamps)
-                    compare_copies(plan, cancel)
-                    atomic = AtomicOutputDir(plan.out, source=plan.source.save_dir, overwrite=plan.overwrite)
-                    tmp = atomic.__enter__()
-                    prepare(plan, tmp)
-                    msg = [("ok", str(tmp))]
-                except BaseException as e:  # tell the others before raising
-                    if atomic is not None and atomic.tmp is not None:
-                        atomic.__exit__(type(e), e, None)
-                    msg = [("error", str(e))]
-            dist.broadcast_object_list(msg, src=0)
-            if msg[0][0] == "error":
-                raise CkptError(f"rank 0 could not prepare the output: {msg[0][1]}", path=plan.out)
-            tmp = Path(msg[0][1])
-            error, read = None, 0
-            try:
-                read = write_in_threads(plan, assign(units(plan, split=True), world)[rank], tmp, observer, cancel, 1)
-            except BaseException as e:
-                error = f"rank {rank}: {e}"
-            errors: list = [None] * world
-            dist.all_gather_object(errors, error)
-            failed = [e for e in errors if e]
-            final: list = [None]
-            if rank == 0:
-                try:
-                    if failed:
-                        atomic.__exit__(CkptError, CkptError("; ".join(failed)), None)
-                        final = [("error", "; ".join(failed))]
-                    else:
-                        write_finals(plan, tmp)
-                        atomic.__exit__(None, None, None)
-                        final = [("ok", None)]
-                except BaseException as e:
-                    final = [("error", str(e))]
-            dist.broadcast_object_list(final, src=0)
-            if final[0][0] == "error":
-                err = CkptError(f"distributed {plan.action} failed, nothing was created: {final[0][1]}", path=plan.out)
-                observer.on_error(err)
-                raise err
-            reads = [0] * world
-            dist.all_gather_object(reads, read)
-        result = finished(plan, time.perf_counter() - t0, sum(reads), watch.report)
-        observer.on_finish(result)
-        return result
-    finally:
-        if own_group:
-            dist.destroy_process_group()
+                    if needs_cast_kernels(plan):  # as in a single run: numpy loaded (or refused) before writing
+                        load_cast_kernels()
+                    threads = plan.workers if plan.parallel == THREADS else 1
+                    progress = _scaled_progress(observer, sum(u.nbytes for u in mine), plan.write_bytes)
+                    read = write_in_threads(plan, mine, tmp, observer, cancel, threads, progress)
+                    if rank != 0:
+                        _sync_files(plan, mine, tmp)
+                except BaseException as e:  # reported to every rank below
+                    error = f"rank {rank}: {_describe(e)}"
+                errors: list = [None] * world
+                dist.all_gather_object(errors, error)  # the barrier: every rank has finished its share
+                failed = [e for e in errors if e]
+                final: list = [None]
+                if rank == 0:
+                    final = [_finish_on_rank0(plan, atomic, tmp, failed)]
+                    atomic = None
+                dist.broadcast_object_list(final, src=0)
+                if final[0] is not None:
+                    raise DistributedFailure(f"distributed {plan.action} failed, nothing was created: {final[0]}",
+                                             path=plan.out)
+                reads = [0] * world
+                dist.all_gather_object(reads, read)
+                observer.on_bytes(plan.write_bytes, plan.write_bytes)
+        except BaseException as e:
+            if atomic is not None:  # rank 0, before the folder was committed or removed: remove it
+                atomic.__exit__(type(e), e, None)
+            observer.on_error(e)
+            if isinstance(e, (Terminated, RuntimeError)) and not isinstance(e, CkptError):
+                raise DistributedFailure(f"distributed {plan.action} stopped on rank {rank}, the output folder was not "
+                                         f"created: {_describe(e)}", path=plan.out, everywhere=False) from None
+            raise
+    result = finished(plan, time.perf_counter() - t0, sum(reads), watch.report)
+    observer.on_finish(result)
+    return result
 
 
-__all__ = ["run_distributed"]
+def _prepare_on_rank0(plan: Plan, rank: int) -> tuple[Path, Optional[AtomicOutputDir]]:
+    """Step 1: rank 0 checks the source and makes the temporary folder; every rank learns where it is.
+    Returns ``(tmp, atomic)`` (``atomic`` on rank 0 only)."""
+    import torch.distributed as dist
+
+    atomic, msg, failure = None, [None], None
+    if rank == 0:
+        try:
+            with reporting_failures(plan.out, Observer()):  # an OSError becomes one OutputError naming the output
+                check_unchanged(plan.source.stamps)
+                compare_copies(plan)
+                atomic = AtomicOutputDir(plan.out, source=plan.source.save_dir, overwrite=plan.overwrite)
+                tmp = atomic.__enter__()
+                prepare(plan, tmp)
+            msg = [("ok", str(tmp))]
+        except BaseException as e:  # tell the others before raising
+            if atomic is not None and atomic.tmp is not None:
+                atomic.__exit__(type(e), e, None)
+            failure = e
+            msg = [("error", _describe(e))]
+    dist.broadcast_object_list(msg, src=0)
+    if failure is not None:
+        raise failure
+    if msg[0][0] == "error":
+        raise DistributedFailure(f"rank 0 could not prepare the output: {msg[0][1]}", path=plan.out)
+    return Path(msg[0][1]), atomic
+
+
+def _finish_on_rank0(plan: Plan, atomic: AtomicOutputDir, tmp: Path, failed: list) -> Optional[str]:
+    """Step 3 on rank 0: the finals and the one rename, or removal if any rank failed. Returns None on
+    success, else what went wrong."""
+    try:
+        if failed:
+            atomic.__exit__(DistributedFailure, DistributedFailure("; ".join(failed)), None)
+            return "; ".join(failed)
+        write_finals(plan, tmp)
+        atomic.__exit__(None, None, None)
+        return None
+    except BaseException as e:
+        if atomic.tmp is not None:
+            atomic.__exit__(type(e), e, None)
+        return f"rank 0: {_describe(e)}"
+
+
+__all__ = ["run_distributed", "shared_plan", "process_group", "DistributedFailure"]

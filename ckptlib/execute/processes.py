@@ -15,7 +15,8 @@ from ..errors import CkptError
 from ..plan import Plan
 from ..progress import Observer, check_cancel
 from ..sources import SourceFiles
-from .writers import WriteContext, assign, units, write_unit
+from ..streaming import load_cast_kernels
+from .writers import WriteContext, assign, needs_cast_kernels, units, write_unit
 
 REPORT_EVERY = 8 * 2**20
 
@@ -31,6 +32,8 @@ def _worker_main(plan: Plan, tmp: str, work: list, q) -> None:
                 q.put(("bytes", pending[0]))
                 pending[0] = 0
 
+        if needs_cast_kernels(plan):
+            load_cast_kernels()
         ctx = WriteContext(plan.chunk_bytes, files, progress)
         for u in work:
             write_unit(plan, u, Path(tmp), ctx)

@@ -23,11 +23,11 @@ from ..allocation import translating_allocation_failures
 from ..memory import MemoryReport, watch_memory
 from ..output import AtomicOutputDir, reporting_failures
 from ..plan import PROCESSES, Plan
-from ..progress import Observer, check_cancel
+from ..progress import Observer, check_cancel, progress_to
 from ..sources import SourceFiles, check_unchanged
-from ..streaming import first_difference
+from ..streaming import first_difference, load_cast_kernels
 from .processes import write_in_processes
-from .writers import Unit, WriteContext, prepare, units, write_finals, write_unit
+from .writers import Unit, WriteContext, needs_cast_kernels, prepare, units, write_finals, write_unit
 
 
 @dataclass
@@ -64,19 +64,6 @@ class AnyOf:
         return any(e.is_set() for e in self.events)
 
 
-def progress_to(observer: Observer, total: int) -> Callable[[int], None]:
-    """A thread-safe ``progress(nbytes)`` reporting the running total to ``observer``; the observer is
-    called under the lock, so the totals it sees never go back."""
-    done, lock = [0], threading.Lock()
-
-    def progress(n: int) -> None:
-        with lock:
-            done[0] += n
-            observer.on_bytes(done[0], total)
-
-    return progress
-
-
 def run(plan: Plan, observer: Optional[Observer] = None, cancel: Any = None) -> RunResult:
     """Execute ``plan``: write its output folder atomically and return what was done.
 
@@ -95,6 +82,8 @@ def run(plan: Plan, observer: Optional[Observer] = None, cancel: Any = None) -> 
         observer.on_start(plan)
         with reporting_failures(plan.out, observer), translating_allocation_failures(plan, plan.out):
             check_unchanged(plan.source.stamps)
+            if needs_cast_kernels(plan):  # numpy, loaded (or refused for want of memory) before anything is written
+                load_cast_kernels()
             compare_copies(plan, cancel)
             with AtomicOutputDir(plan.out, source=plan.source.save_dir, overwrite=plan.overwrite) as tmp:
                 prepare(plan, tmp)
@@ -169,8 +158,13 @@ def write_in_threads(plan: Plan, work: list[Unit], tmp: Path, observer: Observer
                 for i in range(min(threads, len(work)))]
         for t in pool:
             t.start()
-        for t in pool:
-            t.join()
+        try:
+            for t in pool:
+                t.join()
+        finally:  # also when this thread is interrupted (Ctrl-C, SIGTERM): the buffers outlive the writers
+            failed.set()
+            for t in pool:
+                t.join()
         if errors:
             raise errors[0]
         return files.stats.bytes_read

@@ -20,8 +20,10 @@ from ..progress import Observer, check_cancel
 from ..sinks import PwriteSink, WriteBehind
 from ..sources import SourceFiles
 from ..stformat import SafetensorsLayout, TensorSpec
+from ..ranges import StoredRange
 from ..streaming import ChunkBuffers, copy_ranges
 from ..torchzip.specs import NewTensor
+from ..torchzip.trees import walk_tensors
 from ..torchzip.writer import save as torch_save
 
 
@@ -143,6 +145,25 @@ def _write_safetensors(f: WeightsFile, which, path: Path, ctx: WriteContext) -> 
         os.close(fd)
 
 
+def needs_cast_kernels(plan: Plan) -> bool:
+    """Whether a run of ``plan`` casts (a tensor read from ranges of another dtype) or compares copies: then
+    it needs numpy (:func:`ckptlib.streaming.load_cast_kernels`), which a run loads before it writes anything.
+    Metadata only."""
+    if plan.checks:
+        return True
+
+    def casts(ranges, dtype: str) -> bool:
+        return any(isinstance(r, StoredRange) and r.dtype != dtype for r in ranges)
+
+    for f in plan.files:
+        if isinstance(f, WeightsFile) and any(casts(t.ranges, t.dtype) for t in f.tensors):
+            return True
+        if isinstance(f, TreeFile) and any(isinstance(t, NewTensor) and casts(t.ranges, t.dtype)
+                                           for t in walk_tensors(f.obj, [])):
+            return True
+    return False
+
+
 def write_finals(plan: Plan, tmp: Path) -> None:
     """The plan's text files, in order (``latest`` last of all, so it never names an unfinished tag)."""
     for f in plan.finals:
@@ -152,4 +173,5 @@ def write_finals(plan: Plan, tmp: Path) -> None:
         (tmp / f.name).write_text(f.text)
 
 
-__all__ = ["Unit", "WriteContext", "safetensors_layout", "prepare", "units", "assign", "write_unit", "write_finals"]
+__all__ = ["Unit", "WriteContext", "safetensors_layout", "prepare", "units", "assign", "write_unit", "write_finals",
+           "needs_cast_kernels"]

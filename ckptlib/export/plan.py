@@ -15,6 +15,7 @@ from typing import ClassVar, Optional, Sequence, Union
 from ..deepspeed import Checkpoint, open_checkpoint
 from ..dtypes import OUTPUT_DTYPES, BY_SHORT, is_floating
 from ..errors import CkptError
+from ..gcpause import gc_paused
 from .. import hf
 from ..plan import PROCESSES, CopyFile, Plan, PlannedTensor, RangeCheck, TextFile, WeightsFile
 from ..stformat import SafetensorsLayout, TensorSpec
@@ -150,6 +151,7 @@ def _weights(ck: Checkpoint, out_dtype: str, exclude_frozen: bool) -> list[Plann
     return out
 
 
+@gc_paused
 def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str, os.PathLike], *,
                 tag: Optional[str] = None, format: str = "safetensors", dtype: str = "fp32",
                 max_shard_size: Union[int, str] = "5GB", exclude_frozen: bool = False,

@@ -9,10 +9,11 @@ from typing import ClassVar, Optional, Union
 from ..deepspeed import NO_ZERO, Checkpoint, open_checkpoint
 from ..deepspeed import files as fnames
 from ..errors import CkptError, UnsupportedCheckpointError
+from ..gcpause import gc_paused
 from ..plan import CopyFile, Plan, TextFile
 from ..streaming import DEFAULT_CHUNK_BYTES
 from ..units import human_bytes
-from .trees import batch_note, client_files, converter_scripts, tree_file
+from .trees import TreeFiles, batch_note, client_files, converter_scripts
 from .zero3 import Zero3Resharder
 from .zero12 import Zero12Resharder
 
@@ -60,6 +61,7 @@ class ReshardPlan(Plan):
         return "\n".join(lines)
 
 
+@gc_paused
 def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str, os.PathLike], world_size: int, *,
                  tag: Optional[str] = None, overwrite: bool = False,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, workers: Optional[int] = None, tp_rules=None,
@@ -91,15 +93,16 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
     tag_name = ck.location.tag
     files: list = []
     notes: list = []
+    trees = TreeFiles()  # the target files' common parts are converted and sized once
     for zs in ck.sets.values():  # one ZeRO set per stage or tensor rank: each re-sliced on its own
         resharder = Zero3Resharder(zs, world_size) if zs.zero_stage == 3 else Zero12Resharder(zs, world_size)
         notes += [n for n in resharder.notes if n not in notes]
         for name, obj in resharder.model_states().items():
             rank = fnames.classify(name).dp_rank
-            files.append(tree_file(f"{tag_name}/{name}", "model_states", obj, rank))
+            files.append(trees.make(f"{tag_name}/{name}", "model_states", obj, rank))
         for r in range(world_size):
             name, obj = resharder.optim_states(r)
-            files.append(tree_file(f"{tag_name}/{name}", "optim_states", obj, r, resharder.feeds(r)))
+            files.append(trees.make(f"{tag_name}/{name}", "optim_states", obj, r, resharder.feeds(r)))
     for f in ck.files:
         if f.kind not in (fnames.MODEL_STATES, fnames.OPTIM_STATES):
             files.append(CopyFile(f"{tag_name}/{f.path.name}", os.fspath(f.path), f.bytes))

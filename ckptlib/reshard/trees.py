@@ -13,7 +13,7 @@ from typing import Any, Optional
 from .. import hf
 from ..deepspeed import Checkpoint, ZeroSet
 from ..plan import CopyFile, TreeFile
-from ..ranges import Zeros
+from ..ranges import numel
 from ..torchzip import TensorHandle
 from ..torchzip.specs import NewTensor
 from ..torchzip.trees import as_specs, tree_bytes
@@ -32,7 +32,7 @@ def replace(d: dict, **new) -> dict:
 
 def streamed(dtype: str, ranges: list, requires_grad: bool = False, shape: Optional[tuple] = None) -> NewTensor:
     """A new tensor made of ``ranges`` (source ranges and zeros), 1-D unless ``shape`` is given."""
-    n = sum(r.count for r in ranges)
+    n = numel(ranges)
     return NewTensor(dtype, shape if shape is not None else (n,), tuple(ranges), requires_grad=requires_grad)
 
 
@@ -42,19 +42,54 @@ def copied(h: TensorHandle) -> NewTensor:
 
 
 def to_ranges(ck: ZeroSet, pieces: list, key: Optional[str]) -> list:
-    """Layout pieces (and zeros) of a set as stored ranges of state ``key`` (None: the fp32 master)."""
-    out: list = []
-    for p in pieces:
-        if isinstance(p, Zeros):
-            out.append(p)
-        else:
-            out += ck.partition_tensor(ck.rank(p.rank), p.group, key).ranges(p.rank_start, p.count)
-    return out
+    """Layout pieces (and zeros) of a set as stored ranges of state ``key`` (None: the fp32 master); see
+    :meth:`~ckptlib.deepspeed.ZeroSet.piece_ranges`."""
+    return ck.piece_ranges(pieces, key)
 
 
 def optim_prefix(ck: ZeroSet) -> str:
     """``"bf16_"``, ``"fp16_"`` or ``""``: how the source names its optimizer-state files."""
     return next((f.prefix for f in ck.files if f.kind == "optim_states"), "")
+
+
+class TreeFiles:
+    """Makes the :class:`TreeFile` s of a plan, doing the work shared by many target files once.
+
+    The target files of a reshard are mostly the same: every ZeRO-3 model-states file carries the same
+    module, ``param_shapes`` and config. A top-level entry that is the same object as in an earlier file
+    is converted to plain specs once (and the converted entry is shared between the files, which the
+    plan's pickle keeps shared too), and a tree whose top-level entries are all the same objects as an
+    earlier tree's has that tree's byte counts and, for a name of the same length, its file size (the
+    size depends on the archive name only through its length). Nothing is shared between trees that
+    differ, so the result is the same as :func:`tree_file` for each.
+
+    Memory: the converted entries and one size per distinct tree.
+    """
+
+    def __init__(self):
+        self._specs: dict[int, tuple] = {}  # id(entry) -> (entry, converted); the entry is kept alive
+        self._sizes: dict[tuple, tuple] = {}
+
+    def _converted(self, v: Any) -> Any:
+        known = self._specs.get(id(v))
+        if known is None or known[0] is not v:
+            known = self._specs[id(v)] = (v, as_specs(v))
+        return known[1]
+
+    def make(self, name: str, kind: str, obj: Any, rank: Optional[int] = None,
+             source_ranks: Optional[list] = None) -> TreeFile:
+        if not isinstance(obj, dict):
+            return tree_file(name, kind, obj, rank, source_ranks)
+        specs = type(obj)()
+        for k, v in obj.items():
+            specs[k] = self._converted(v)
+        archive = os.path.splitext(os.path.basename(name))[0]  # what file_size names the zip's members after
+        key = (type(specs), tuple(specs), tuple(id(v) for v in specs.values()), len(archive.encode()))
+        sizes = self._sizes.get(key)
+        if sizes is None:
+            read, written = tree_bytes(specs)
+            sizes = self._sizes[key] = (read, written, file_size(specs, name))
+        return TreeFile(name, kind, specs, sizes[0], sizes[1], rank, list(source_ranks or []), size=sizes[2])
 
 
 def tree_file(name: str, kind: str, obj: Any, rank: Optional[int] = None,
@@ -113,5 +148,5 @@ def batch_note(ck: Checkpoint, world_size: int) -> Optional[str]:
             f"pick micro-batch x accumulation x {world_size} = the global batch you want (the data order changes)")
 
 
-__all__ = ["client_files", "batch_note", "DEFAULT_SUB_GROUP_SIZE", "replace", "streamed", "copied", "to_ranges", "optim_prefix", "tree_file",
-           "sub_group_size", "converter_scripts"]
+__all__ = ["client_files", "batch_note", "DEFAULT_SUB_GROUP_SIZE", "replace", "streamed", "copied", "to_ranges",
+           "optim_prefix", "tree_file", "TreeFiles", "sub_group_size", "converter_scripts"]

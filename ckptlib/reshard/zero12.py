@@ -9,6 +9,7 @@ from ..deepspeed import files as fnames
 from ..errors import UnsupportedCheckpointError
 from ..layout import FlatGroupLayout, Piece, reslice_by_params, reslice_flat, round_robin_order
 from ..torchzip import FragmentAddress, TensorHandle
+from ..torchzip.standins import TorchSize
 from .trees import optim_prefix, replace, streamed, to_ranges
 
 
@@ -24,7 +25,10 @@ class Zero12Resharder:
         zcfg = ck.ds_config.get("zero_optimization") or {}
         self.round_robin = bool(zcfg.get("round_robin_gradients")) and not self.bf16
         self.dst = [self._target_layout(lay, g) for g, lay in enumerate(self.src)]
+        self._same_order = [[s.name for s in a.slots] == [s.name for s in b.slots] for a, b in zip(self.src, self.dst)]
         self._check_source()
+        self._optim0 = ck.optim_states_file(ck.rank(0)).obj  # every target optimizer file is made from it
+        self._prefix = optim_prefix(ck)
 
     def _target_layout(self, src: FlatGroupLayout, g: int) -> FlatGroupLayout:
         slots = list(src.slots)
@@ -41,7 +45,7 @@ class Zero12Resharder:
                                      paddings_after=[s.padding_after for s in slots], group=g)
 
     def _reslice(self, g: int, rank: int, padded: bool) -> list:
-        if [s.name for s in self.src[g].slots] == [s.name for s in self.dst[g].slots]:
+        if self._same_order[g]:
             return reslice_flat(self.src[g], self.dst[g], rank, padded)
         return reslice_by_params(self.src[g], self.dst[g], rank, padded)
 
@@ -79,16 +83,14 @@ class Zero12Resharder:
         model = self.ck.model_states_file().obj
         repl: dict = dict(dp_world_size=self.m)
         if self.round_robin:  # param_shapes lists each group in its flat (round-robin) order
-            import torch
-
-            repl["param_shapes"] = [collections.OrderedDict((s.name, torch.Size(s.shape)) for s in lay.slots)
+            repl["param_shapes"] = [collections.OrderedDict((s.name, TorchSize(s.shape)) for s in lay.slots)
                                     for lay in self.dst]
         return {fnames.model_states_name(self.ck.mp): replace(model, **repl)}
 
     def optim_states(self, rank: int) -> tuple[str, Any]:
         """``(file name, object tree)`` of target ``rank``'s optimizer-states file."""
         ck, m = self.ck, self.m
-        top = ck.optim_states_file(ck.rank(0)).obj
+        top = self._optim0
         osd0 = top["optimizer_state_dict"]
         fp32 = []
         for g in range(len(self.src)):
@@ -118,7 +120,7 @@ class Zero12Resharder:
         if "param_slice_mappings" in osd0:
             repl["param_slice_mappings"] = mappings
         new_top = replace(top, optimizer_state_dict=replace(osd0, **repl))
-        return fnames.optim_states_name(rank, ck.mp, prefix=optim_prefix(ck)), new_top
+        return fnames.optim_states_name(rank, ck.mp, prefix=self._prefix), new_top
 
     def feeds(self, rank: int) -> list[int]:
         """The source ranks whose bytes target ``rank`` reads."""

@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 import collections
-from typing import Any
+from typing import Any, Optional
 
 from ..deepspeed import ZeroSet
 from ..deepspeed import files as fnames
 from ..errors import UnsupportedCheckpointError
 from ..layout import Piece, Zero3Layout, chunk_size, reslice_zero3, zero3_sub_groups
-from ..ranges import Zeros, slice_ranges
+from ..ranges import Zeros, range_starts, slice_ranges
 from ..torchzip import TensorHandle
+from ..torchzip.standins import TorchSize
 from .trees import copied, optim_prefix, replace, streamed, sub_group_size, to_ranges
 
 
@@ -20,6 +21,10 @@ class Zero3Resharder:
     def __init__(self, ck: ZeroSet, world_size: int):
         self.ck, self.m = ck, world_size
         self.notes: list[str] = []
+        self._cached: Optional[tuple] = None  # (rank, its pieces) of the last rank asked for
+        self._optim0 = ck.optim_states_file(ck.rank(0)).obj  # every target optimizer file is made from it
+        self._prefix = optim_prefix(ck)
+        self._frozen_sources: dict = {}  # frozen parameter -> (its source ranges, their starts, its dtype)
         n = ck.partition_count
         self.src: Zero3Layout = ck.layouts[0]
         self.sub_group_size = sub_group_size(ck)
@@ -46,42 +51,67 @@ class Zero3Resharder:
             self.notes.append(f"sub-groups re-cut for {world_size} ranks: {len(src_subs)} -> {len(dst_subs)}")
 
     def _param_shapes(self) -> list:
-        import torch
-
-        return [collections.OrderedDict((s.name, torch.Size(s.shape)) for s in self.dst.slots if s.sub_group == k)
+        return [collections.OrderedDict((s.name, TorchSize(s.shape)) for s in self.dst.sub_group_slots(k))
                 for k in range(len(self.dst.sub_group_sizes))]
 
     def model_states(self) -> dict[str, Any]:
-        """``{file name: object tree}`` of the target's model-states files (one per rank)."""
+        """``{file name: object tree}`` of the target's model-states files (one per rank). What is the same
+        in every rank's file (the module, ``param_shapes``, the config; the frozen fragments when there are
+        no frozen parameters) is the same object in each tree."""
         ck, m = self.ck, self.m
         model0 = ck.model_states_file(ck.rank(0)).obj
         frozen = [p for p in ck.parameters if not p.trainable and not p.tied_to and p.name in ck.records.index.frozen]
+        shapes = self._param_shapes()
+        fragments = model0.get("frozen_param_fragments")
+        no_frozen = type(fragments)() if fragments is not None and not frozen else None
+        no_shared = None
+        if "shared_params" in model0:
+            no_shared = type(model0["shared_params"])() if isinstance(model0["shared_params"], dict) \
+                else model0["shared_params"]
         out = {}
         for r in range(m):
-            frags = collections.OrderedDict()
-            for p in frozen:
-                c = chunk_size(p.numel, m)
-                real = max(0, min(c, p.numel - r * c))
-                ranges = (slice_ranges(ck.sources(p.name), r * c, real) if real else []) + \
-                    ([Zeros(c - real)] if c - real else [])
-                frags[p.name] = streamed(ck.frozen_chunks(p.name)[0].dtype_name, ranges)
-            repl = dict(dp_world_size=m, param_shapes=self._param_shapes())
-            if model0.get("frozen_param_fragments") is not None:
-                repl["frozen_param_fragments"] = type(model0["frozen_param_fragments"])(frags)
+            repl = dict(dp_world_size=m, param_shapes=shapes)
+            if fragments is not None:
+                repl["frozen_param_fragments"] = no_frozen if no_frozen is not None else \
+                    type(fragments)(self._frozen_fragments(frozen, r))
             if r != 0 and "shared_params" in model0:
-                repl["shared_params"] = type(model0["shared_params"])() if isinstance(model0["shared_params"], dict) \
-                    else model0["shared_params"]
+                repl["shared_params"] = no_shared
             out[fnames.model_states_name(ck.mp, dp_rank=r)] = replace(model0, **repl)
         return out
+
+    def _frozen_fragments(self, frozen: list, r: int) -> collections.OrderedDict:
+        """Target rank ``r``'s chunk of each frozen parameter: ``ceil(numel/M)`` elements, zero padded (each
+        parameter's source ranges are found once, then sliced by binary search for every target rank)."""
+        ck, m = self.ck, self.m
+        frags = collections.OrderedDict()
+        for p in frozen:
+            if p.name not in self._frozen_sources:
+                ranges = ck.sources(p.name)
+                self._frozen_sources[p.name] = (ranges, range_starts(ranges), ck.frozen_chunks(p.name)[0].dtype_name)
+            src, starts, dtype = self._frozen_sources[p.name]
+            c = chunk_size(p.numel, m)
+            real = max(0, min(c, p.numel - r * c))
+            ranges = (slice_ranges(src, r * c, real, starts) if real else []) + ([Zeros(c - real)] if c - real else [])
+            frags[p.name] = streamed(dtype, ranges)
+        return frags
+
+    def _pieces(self, rank: int) -> list[list]:
+        """What target ``rank``'s flat tensor of each sub-group is made of (:func:`reslice_zero3`), computed
+        once per rank for the fp32 master, every optimizer state and :meth:`feeds`."""
+        if self._cached is None or self._cached[0] != rank:
+            self._cached = (rank, [reslice_zero3(self.src, self.dst, rank, k)
+                                   for k in range(len(self.dst.sub_group_sizes))])
+        return self._cached[1]
 
     def optim_states(self, rank: int) -> tuple[str, Any]:
         """``(file name, object tree)`` of target ``rank``'s optimizer-states file."""
         ck, m = self.ck, self.m
-        top = ck.optim_states_file(ck.rank(0)).obj
+        top = self._optim0
         osd0 = top["optimizer_state_dict"]
         inner = osd0["optimizer_state_dict"]
         rg = ck.partition_tensor(ck.rank(0), 0).requires_grad
-        flats = [streamed("float32", to_ranges(ck, reslice_zero3(self.src, self.dst, rank, k), None), requires_grad=rg)
+        pieces = self._pieces(rank)
+        flats = [streamed("float32", to_ranges(ck, pieces[k], None), requires_grad=rg)
                  for k in range(len(self.dst.sub_group_sizes))]
         state = type(inner["state"])()
         groups = []
@@ -92,22 +122,18 @@ class Zero3Resharder:
                 new = type(template)()
                 for key, v in template.items():
                     if isinstance(v, TensorHandle) and v.numel == self.src.sub_group_sizes[first_src] and v.numel > 1:
-                        pieces = reslice_zero3(self.src, self.dst, rank, k)
-                        new[key] = streamed(v.dtype_name, to_ranges(ck, pieces, key), requires_grad=v.requires_grad)
+                        new[key] = streamed(v.dtype_name, to_ranges(ck, pieces[k], key), requires_grad=v.requires_grad)
                     else:  # step and other scalars; each sub-group keeps a tensor of its own, as DeepSpeed saves it
                         new[key] = copied(v) if isinstance(v, TensorHandle) else v
                 state[k] = new
             groups.append(replace(group, params=list(self.dst_group_subs[g])))
         new_inner = replace(inner, state=state, param_groups=groups)
         new_osd = replace(osd0, partition_count=m, fp32_flat_groups=flats, optimizer_state_dict=new_inner)
-        return (fnames.optim_states_name(rank, ck.mp, prefix=optim_prefix(ck)), replace(top, optimizer_state_dict=new_osd))
+        return (fnames.optim_states_name(rank, ck.mp, prefix=self._prefix), replace(top, optimizer_state_dict=new_osd))
 
     def feeds(self, rank: int) -> list[int]:
         """The source ranks whose bytes target ``rank`` reads."""
-        ranks = set()
-        for k in range(len(self.dst.sub_group_sizes)):
-            ranks |= {p.rank for p in reslice_zero3(self.src, self.dst, rank, k) if isinstance(p, Piece)}
-        return sorted(ranks)
+        return sorted({p.rank for pieces in self._pieces(rank) for p in pieces if isinstance(p, Piece)})
 
 
 __all__ = ["Zero3Resharder"]

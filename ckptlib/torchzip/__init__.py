@@ -1,12 +1,12 @@
 """Safe, metadata-first access to torch zip files (no DeepSpeed knowledge here)."""
 from .handles import StorageRef, TensorHandle
-from .reader import GLOBAL_STATS, ReadStats, TorchFile, classify_file_start, open_torch_file
+from .reader import GLOBAL_STATS, PickleMemo, ReadStats, TorchFile, classify_file_start, open_torch_file
 from .specs import NewTensor, StorageAddress, StoredTensor
 from .standins import FragmentAddress, Standin, ZeroStage
 from .unpickler import SafeUnpickler
 
 __all__ = [
-    "StorageRef", "TensorHandle", "GLOBAL_STATS", "ReadStats", "TorchFile",
+    "StorageRef", "TensorHandle", "GLOBAL_STATS", "PickleMemo", "ReadStats", "TorchFile",
     "classify_file_start", "open_torch_file", "FragmentAddress", "SafeUnpickler", "Standin", "ZeroStage",
     "NewTensor", "StorageAddress", "StoredTensor",
 ]

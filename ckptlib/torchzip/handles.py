@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from ..dtypes import BY_NAME, decode_scalar
 from ..dtypes import itemsize as dtype_itemsize
 from ..dtypes import torch_dtype
 from ..ranges import StoredRange
@@ -118,6 +119,9 @@ class TensorHandle:
     def ranges(self, start: int = 0, count: Optional[int] = None) -> list[StoredRange]:
         """The stored byte ranges of elements ``[start, start+count)`` of the flattened tensor, in order
         (one range when the tensor is contiguous; one per contiguous run otherwise). Metadata only."""
+        shape = self.shape
+        if len(shape) == 1 and (shape[0] <= 1 or self.stride[0] == 1):  # 1-D and contiguous (flat partitions)
+            return self._flat_ranges(start, shape[0] - start if count is None else count)
         count = self.numel - start if count is None else count
         if start < 0 or count < 0 or start + count > self.numel:
             raise IndexError(f"element range [{start}, {start + count}) outside a tensor of {self.numel} elements")
@@ -144,6 +148,28 @@ class TensorHandle:
             out.append(StoredRange(path, self.storage.data_offset + offset * size, name, n))
             i += n
         return out
+
+    def flat_base(self) -> Optional[tuple[str, int, str, int, int]]:
+        """``(path, byte offset of element 0, dtype name, item size, numel)`` of a contiguous 1-D tensor (the
+        flat partitions), None for other tensors: element ``i`` is at ``offset + i * item size``. Raises
+        ``ValueError`` if the tensor reaches outside its storage. For callers that make many ranges of one
+        tensor (plans of large checkpoints make millions); metadata only."""
+        shape = self.shape
+        if len(shape) != 1 or (shape[0] > 1 and self.stride[0] != 1):
+            return None
+        n, st = shape[0], self.storage
+        if n and (self.storage_offset < 0 or self.storage_offset + n > st.numel):
+            raise ValueError(f"tensor {self!r} reaches outside its storage of {st.numel} elements")
+        known = BY_NAME.get(st.dtype_name)
+        size = known.itemsize if known is not None else dtype_itemsize(st.dtype_name)
+        return st.file.path, st.data_offset + self.storage_offset * size, st.dtype_name, size, n
+
+    def _flat_ranges(self, start: int, count: int) -> list[StoredRange]:
+        """:meth:`ranges` of a contiguous 1-D tensor, with the same checks, in a few operations."""
+        path, base, name, size, n = self.flat_base()
+        if start < 0 or count < 0 or start + count > n:
+            raise IndexError(f"element range [{start}, {start + count}) outside a tensor of {n} elements")
+        return [StoredRange(path, base + start * size, name, count)] if count else []
 
     def stored(self) -> StoredTensor:
         """This tensor as a plain-data spec that the writer copies (storage and view as they are)."""
@@ -179,6 +205,15 @@ class TensorHandle:
         count = self.numel - start if count is None else count
         if count > 0 and self.is_contiguous():
             self.storage.file.drop_cache(self.byte_offset(start), count * self.itemsize)
+
+    def item(self):
+        """The value of a one-element tensor as a Python number, read without torch. Memory: one element."""
+        if self.numel != 1:
+            raise ValueError(f"item() of a tensor of {self.numel} elements")
+        r = self.ranges(0, 1)[0]
+        raw = bytearray(r.nbytes)
+        self.storage.file.read_into(r.offset, memoryview(raw))
+        return decode_scalar(raw, self.dtype_name)
 
     def read(self):
         """The whole tensor with its shape. Memory: its ``nbytes``."""

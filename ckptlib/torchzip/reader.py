@@ -1,32 +1,36 @@
 """Open a torch zip checkpoint (``torch.save`` since torch 1.6) without running code or reading tensors.
 
-:func:`open_torch_file` reads the zip's central directory and the pickle (``data.pkl``, a few KB even
-for a multi-GB file) and returns a :class:`TorchFile` whose ``.obj`` is the unpickled object tree, with
+:func:`open_torch_file` reads the zip's central directory (in one read, parsed by :mod:`.zipfmt`), the
+local headers of the pickle and the storages (those close together in one read: a ZeRO-3 model file's
+hundreds of empty storages cost one) and the pickle (``data.pkl``, a few KB even for a multi-GB file),
+and returns a :class:`TorchFile` whose ``.obj`` is the unpickled object tree, with
 every tensor replaced by a :class:`~ckptlib.torchzip.handles.TensorHandle`. Tensor bytes are read
 later, on demand, with ``pread``. Every byte read goes through the file's :class:`ReadStats`, so
 callers can show how little was read.
 
-Memory: the pickle plus the zip directory; never the tensors.
+Memory: the pickle plus the zip directory (dropped once the pickle is loaded; a file opened through a
+:class:`PickleMemo` holds the pickle it shares with others until its tree is built); never the tensors.
 """
 from __future__ import annotations
 
 import io
 import os
-import struct
 import threading
-import zipfile
+import zlib
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..dtypes import itemsize
+from ..dtypes import BY_NAME, itemsize
 from ..errors import CkptError, IncompleteCheckpointError, UnsafeCheckpointError, UnsupportedCheckpointError
 from ..ranges import StoredRange
+from . import zipfmt
 from .handles import StorageRef
 from .unpickler import SafeUnpickler
+from .zipfmt import ZipFormatError
 
 _ZIP_MAGIC = b"PK\x03\x04"
 _LEGACY_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
-_LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # 30 bytes
+_NEAR = 8192  # local headers at most this far apart are read in one pread
 
 
 @dataclass
@@ -49,38 +53,6 @@ class ReadStats:
 GLOBAL_STATS = ReadStats()
 
 
-class _CountingFile(io.RawIOBase):
-    """A read-only file object over a descriptor that counts what zipfile reads."""
-
-    def __init__(self, fd: int, stats: ReadStats):
-        self._fd = fd
-        self._pos = 0
-        self._stats = stats
-        self._size = os.fstat(fd).st_size
-
-    def readable(self):
-        return True
-
-    def seekable(self):
-        return True
-
-    def seek(self, pos, whence=0):
-        self._pos = pos if whence == 0 else (self._pos + pos if whence == 1 else self._size + pos)
-        return self._pos
-
-    def tell(self):
-        return self._pos
-
-    def readinto(self, b):
-        n = len(b)
-        data = os.pread(self._fd, n, self._pos)
-        b[:len(data)] = data
-        self._pos += len(data)
-        self._stats.add(len(data))
-        GLOBAL_STATS.add(len(data))
-        return len(data)
-
-
 def classify_file_start(head: bytes) -> str:
     """``"zip"``, ``"legacy"`` (pre-1.6 torch serialization), ``"empty"`` or ``"unknown"``."""
     if not head:
@@ -92,21 +64,57 @@ def classify_file_start(head: bytes) -> str:
     return "unknown"
 
 
+class PickleMemo:
+    """The pickles a set of files (a tag folder's) have shown so far, so that a file whose ``data.pkl`` is
+    byte for byte one seen before is opened without unpickling it again: every storage that pickle refers to
+    is checked against the file's own zip directory, as unpickling would, and the file's object tree is
+    built when it is first used. ZeRO-3 writes one model-states file per rank with the same pickle on
+    ranks 1..N-1 (rank 0's also records the tied parameters), and the same optimizer pickle on every rank:
+    at 512 ranks, 511 of the model files' pickles (723 tensors each for a Llama-2-70B) need not be unpickled
+    (and are not, unless their trees are used: for frozen parameters' chunks).
+
+    Memory: the distinct pickles remembered, at most ``limit`` bytes of them (the first ones seen).
+    """
+
+    def __init__(self, limit: int = 16 * 2**20):
+        self.limit, self.held = limit, 0
+        self._known: dict[tuple, list] = {}  # (length, CRC-32) -> [(pickle, [(key, dtype, numel), ...]), ...]
+
+    def find(self, data: bytes) -> Optional[tuple[bytes, list]]:
+        """``(the remembered copy of data, the storages it resolves in order)``, or None."""
+        for known, storages in self._known.get((len(data), zlib.crc32(data)), ()):
+            if known == data:
+                return known, storages
+        return None
+
+    def remember(self, data: bytes, storages: list) -> None:
+        if self.held + len(data) <= self.limit:
+            self._known.setdefault((len(data), zlib.crc32(data)), []).append((data, storages))
+            self.held += len(data)
+
+
+_UNREAD = object()  # a TorchFile's object tree that is not built yet (see PickleMemo)
+
+
 class TorchFile:
     """One torch zip file, opened for metadata and ranged reads.
 
     Attributes:
         path: the file.
         size: its size in bytes.
-        obj: the unpickled object tree (tensors are :class:`TensorHandle`).
+        obj: the unpickled object tree (tensors are :class:`TensorHandle`); built on first use when the
+            file was opened with a :class:`PickleMemo` that knew its pickle.
         stats: bytes read from this file so far.
     """
 
-    def __init__(self, path: str | os.PathLike, stats: Optional[ReadStats] = None):
+    def __init__(self, path: str | os.PathLike, stats: Optional[ReadStats] = None, memo: Optional[PickleMemo] = None):
         self.path = os.fspath(path)
         self.stats = stats or ReadStats()
         self._fd: Optional[int] = None
         self._storages: dict[str, StorageRef] = {}
+        self._memo = memo
+        self._pickle: Optional[bytes] = None  # kept until the object tree is built (shared with the memo)
+        self._lock = threading.Lock()
         try:
             self._fd = os.open(self.path, os.O_RDONLY)
         except FileNotFoundError as e:
@@ -116,10 +124,21 @@ class TorchFile:
                                             hint="check the permissions of the file") from e
         try:
             self.size = os.fstat(self._fd).st_size
-            self.obj = self._load_metadata()
+            self._obj = self._load_metadata()
         except BaseException:
             self.close()
             raise
+        finally:
+            self._memo = None
+
+    @property
+    def obj(self) -> Any:
+        if self._obj is _UNREAD:
+            with self._lock:
+                if self._obj is _UNREAD:  # the same bytes as a pickle unpickled before: it unpickles the same way
+                    self._obj = self._unpickle(self._pickle)
+                    self._pickle = None
+        return self._obj
 
     # ------------------------------------------------------------------ opening
     def _load_metadata(self) -> Any:
@@ -142,25 +161,40 @@ class TorchFile:
                 "not a torch checkpoint (the file does not start with a zip header)", path=self.path,
                 hint="the file is corrupt or not written by torch.save; re-copy it or use another tag")
         try:
-            self._zip = zipfile.ZipFile(_CountingFile(self._fd, self.stats))
-            infos = self._zip.infolist()
-        except (zipfile.BadZipFile, OSError, EOFError, struct.error) as e:
+            members = self._read_directory()
+        except (ZipFormatError, OSError) as e:
             raise IncompleteCheckpointError(
                 f"the zip archive is damaged or truncated ({e}); {self.size} bytes on disk", path=self.path,
                 hint="the save or copy was probably interrupted; copy the file again or use another tag") from e
-        pkl = [i for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
+        pkl = [n for n in members if n.endswith("/data.pkl") or n == "data.pkl"]
         if len(pkl) != 1:
             raise IncompleteCheckpointError("zip archive without a torch data.pkl: not a torch checkpoint",
                                             path=self.path)
-        self._prefix = pkl[0].filename[: -len("data.pkl")]
-        self._members = {i.filename: i for i in infos}
+        self._prefix = pkl[0][: -len("data.pkl")]
+        self._members = members
         try:
+            self._offsets = self._data_offsets(members, pkl[0])
             data = self._read_member(pkl[0])
         except CkptError:
             raise
         except Exception as e:
             raise IncompleteCheckpointError(f"cannot read the pickle of the checkpoint ({e})", path=self.path,
                                             hint="the file is damaged; copy it again or use another tag") from e
+        try:
+            known = self._memo.find(data) if self._memo is not None else None
+            if known is not None:  # check what unpickling would check; build the tree on first use
+                self._pickle, storages = known
+                for key, dtype, numel in storages:
+                    self._resolve_storage(key, dtype, numel)
+                return _UNREAD
+            obj = self._unpickle(data)
+            if self._memo is not None:
+                self._memo.remember(data, [(r.key, r.dtype_name, r.numel) for r in self._storages.values()])
+            return obj
+        finally:  # the directory is not needed once the storages are known
+            self._members = self._offsets = None
+
+    def _unpickle(self, data: bytes) -> Any:
         try:
             return SafeUnpickler(io.BytesIO(data), self._resolve_storage, self.path).load()
         except CkptError:
@@ -172,46 +206,64 @@ class TorchFile:
                                             path=self.path,
                                             hint="the file is damaged or not a DeepSpeed/torch checkpoint") from e
 
-    def _read_member(self, info: zipfile.ZipInfo) -> bytes:
-        if info.compress_type != zipfile.ZIP_STORED:
-            raise UnsupportedCheckpointError(f"zip member {info.filename} is compressed", path=self.path)
-        off = self._member_data_offset(info)
-        data = self._pread(info.file_size, off)
-        if len(data) != info.file_size:
-            raise IncompleteCheckpointError(f"zip member {info.filename} is truncated", path=self.path)
-        return data
+    def _read_directory(self) -> dict[str, tuple]:
+        """The zip's central directory, ``{name: (header offset, stored size, size, CRC-32, method)}``: the end
+        records from the file's last bytes, then the directory in one read (see :mod:`.zipfmt`)."""
+        n = min(self.size, zipfmt.END_SEARCH)
+        found = zipfmt.find_directory(self._pread(n, self.size - n), self.size - n)
+        if found is None and n < self.size:  # a zip comment longer than END_SEARCH allows for
+            n = min(self.size, zipfmt.END_SEARCH_MAX)
+            found = zipfmt.find_directory(self._pread(n, self.size - n), self.size - n)
+        if found is None:
+            raise ZipFormatError("no end of central directory record: the file is truncated or not a zip archive")
+        return zipfmt.parse_directory(self._pread(found.size, found.offset + found.shift), found)
 
-    def _member_data_offset(self, info: zipfile.ZipInfo) -> int:
-        raw = self._pread(_LOCAL_HEADER.size, info.header_offset)
-        if len(raw) != _LOCAL_HEADER.size:
-            raise IncompleteCheckpointError("truncated zip local header", path=self.path)
-        fields = _LOCAL_HEADER.unpack(raw)
-        if fields[0] != _ZIP_MAGIC:
-            raise IncompleteCheckpointError(f"bad zip local header for {info.filename}", path=self.path)
-        name_len, extra_len = fields[-2], fields[-1]
-        return info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+    def _data_offsets(self, members: dict[str, tuple], pkl: str) -> dict[str, int]:
+        """Where the data of the pickle and of every storage member starts, from their local headers. Headers
+        at most :data:`_NEAR` bytes apart (the empty or tiny storages of ZeRO-3 model files) are read
+        together, one ``pread`` per run."""
+        data = self._prefix + "data/"
+        wanted = sorted((v[0], name) for name, v in members.items() if name == pkl or name.startswith(data))
+        out: dict[str, int] = {}
+        for start, length, headers in zipfmt.header_runs(wanted, _NEAR):
+            try:
+                zipfmt.data_offsets(self._pread(length, start), start, headers, out)
+            except ZipFormatError as e:
+                raise IncompleteCheckpointError(str(e), path=self.path) from None
+        return out
+
+    def _read_member(self, name: str) -> bytes:
+        _, _, size, _, method = self._members[name]
+        if method != zipfmt.STORED:
+            raise UnsupportedCheckpointError(f"zip member {name} is compressed", path=self.path)
+        data = self._pread(size, self._offsets[name])
+        if len(data) != size:
+            raise IncompleteCheckpointError(f"zip member {name} is truncated", path=self.path)
+        return data
 
     def _resolve_storage(self, key: str, dtype: str, numel: int) -> StorageRef:
         ref = self._storages.get(key)
         if ref is not None:
             return ref
-        info = self._members.get(f"{self._prefix}data/{key}")
+        name = self._prefix + "data/" + key
+        info = self._members.get(name)
         if info is None:
             raise IncompleteCheckpointError(f"storage {key} is missing from the zip archive", path=self.path)
-        if info.compress_type != zipfile.ZIP_STORED:
+        size, crc, method = info[2], info[3], info[4]
+        if method != zipfmt.STORED:
             raise UnsupportedCheckpointError(f"storage {key} is compressed", path=self.path)
-        if info.file_size < numel * itemsize(dtype):
+        known = BY_NAME.get(dtype)
+        if size < numel * (known.itemsize if known is not None else itemsize(dtype)):
             raise IncompleteCheckpointError(
-                f"storage {key} holds {info.file_size} bytes, fewer than its {numel} elements need",
+                f"storage {key} holds {size} bytes, fewer than its {numel} elements need",
                 path=self.path)
-        offset = self._member_data_offset(info)
-        if offset + info.file_size > self.size:
+        offset = self._offsets[name]
+        if offset + size > self.size:
             raise IncompleteCheckpointError(
-                f"the file is truncated: storage {key} ends at byte {offset + info.file_size}, "
+                f"the file is truncated: storage {key} ends at byte {offset + size}, "
                 f"the file has {self.size}", path=self.path, hint="copy the file again or use another tag")
-        ref = StorageRef(file=self, key=key, dtype_name=dtype, numel=numel, data_offset=offset,
-                         stored_bytes=info.file_size, stored_crc=info.CRC)
-        self._storages[key] = ref
+        ref = self._storages[key] = StorageRef(file=self, key=key, dtype_name=dtype, numel=numel, data_offset=offset,
+                                               stored_bytes=size, stored_crc=crc)
         return ref
 
     # ------------------------------------------------------------------ reading

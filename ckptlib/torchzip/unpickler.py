@@ -3,8 +3,10 @@
 Nothing in a checkpoint is ever *run*. :class:`SafeUnpickler` resolves the globals a pickle names
 against a fixed allow-list:
 
-- containers and values torch uses (``collections.OrderedDict``, ``builtins.set``, ``torch.Size``,
-  ``torch.device``, torch dtypes, numpy scalars);
+- containers and values torch uses (``collections.OrderedDict``, ``builtins.set``, numpy scalars), and
+  torch's value types (``torch.Size``, ``torch.device``, the dtypes and legacy storage classes such as
+  ``torch.FloatStorage``), which resolve to ckptlib's stand-ins (:mod:`~ckptlib.torchzip.standins`):
+  torch is never imported to read a pickle;
 - torch's tensor rebuild functions, which are replaced by functions that build a
   :class:`~ckptlib.torchzip.handles.TensorHandle` (metadata only, no tensor bytes are read);
 - the DeepSpeed classes found in checkpoints (``LossScaler``, ``DynamicLossScaler``, ``ZeroStageEnum``,
@@ -23,12 +25,11 @@ import io
 import pickle
 from typing import Any, Callable
 
-import torch
-
-from ..dtypes import BY_NAME, BY_STORAGE_CLASS, name_of
+from ..dtypes import BY_NAME, BY_STORAGE_CLASS
 from ..errors import UnsafeCheckpointError
 from .handles import StorageRef, TensorHandle
-from .standins import DynamicLossScaler, FragmentAddress, LossScaler, Namespace, Standin, ZeroStage
+from .standins import (DynamicLossScaler, FragmentAddress, LossScaler, Namespace, Standin, TorchDevice, TorchDType,
+                       TorchSize, ZeroStage, torch_dtype_standin)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -109,8 +110,8 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ("__builtin__", "frozenset"): _frozenset,
     ("copyreg", "_reconstructor"): _reconstructor,
     ("copy_reg", "_reconstructor"): _reconstructor,
-    ("torch", "Size"): torch.Size,
-    ("torch", "device"): torch.device,
+    ("torch", "Size"): TorchSize,
+    ("torch", "device"): TorchDevice,
     ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
     ("torch._utils", "_rebuild_tensor"): _rebuild_tensor,
     ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
@@ -158,8 +159,8 @@ class SafeUnpickler(pickle.Unpickler):
         if module == "torch":
             if name in _STORAGE_CLASSES:  # legacy typed storage classes, e.g. torch.FloatStorage
                 return _STORAGE_CLASSES[name]
-            if name in BY_NAME and hasattr(torch, name):  # dtypes (torch pickles newer dtypes as storage types)
-                return getattr(torch, name)
+            if name in BY_NAME:  # dtypes (torch pickles newer dtypes as storage types)
+                return torch_dtype_standin(name)
         raise UnsafeCheckpointError(
             f"the pickle refers to the global '{module}.{name}', which ckptlib does not load "
             "(it only allows torch tensors, plain containers and the DeepSpeed classes of checkpoints)",
@@ -173,8 +174,8 @@ class SafeUnpickler(pickle.Unpickler):
         _, dtype, key, _location, numel = pid[:5]
         if isinstance(dtype, StorageClass):
             name = str(dtype)
-        elif isinstance(dtype, torch.dtype):
-            name = name_of(dtype)
+        elif isinstance(dtype, TorchDType):
+            name = dtype.name
         else:
             raise pickle.UnpicklingError(f"storage of unknown type {dtype!r}")
         return self._resolve(str(key), name, int(numel))

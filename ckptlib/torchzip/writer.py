@@ -27,7 +27,7 @@ from ..sources import SourceFiles
 from ..streaming import ChunkBuffers, copy_ranges
 from .handles import TensorHandle
 from .specs import NewTensor, StorageAddress, StoredTensor
-from .standins import FragmentAddress, Standin, ZeroStage
+from .standins import FragmentAddress, Standin, TorchDevice, TorchDType, TorchSize, ZeroStage
 from .trees import as_specs, walk_tensors
 from .zipfmt import ALIGN, ZIP64_LIMIT, central_directory, layout_records, local_header
 
@@ -70,7 +70,7 @@ class _Pickle:
         elif isinstance(obj, str):
             raw = obj.encode("utf-8", "surrogatepass")
             o += b"X" + struct.pack("<I", len(raw)) + raw
-        elif _is_torch(obj, "Size"):
+        elif isinstance(obj, TorchSize) or _is_torch(obj, "Size"):
             self.glob("torch", "Size")
             self.emit((tuple(obj),))
             o += b"R"
@@ -100,9 +100,9 @@ class _Pickle:
             self.glob("builtins", "set" if isinstance(obj, set) else "frozenset")
             self.emit((sorted(obj, key=repr),))
             o += b"R"
-        elif _is_torch(obj, "dtype"):
+        elif isinstance(obj, TorchDType) or _is_torch(obj, "dtype"):
             self.glob("torch", str(obj).split(".", 1)[1])
-        elif _is_torch(obj, "device"):
+        elif isinstance(obj, TorchDevice) or _is_torch(obj, "device"):
             self.glob("torch", "device")
             self.emit((str(obj),))
             o += b"R"

@@ -10,6 +10,11 @@ needs them, as the zip specification (APPNOTE 4.5.3) says.
 :func:`crc32_combine` joins the CRC-32s of consecutive pieces, so that chunks can be checksummed
 where their bytes are (e.g. in the thread that read them) and combined in order.
 
+Reading (what :class:`~ckptlib.torchzip.reader.TorchFile` needs, faster than ``zipfile`` on archives of
+thousands of members): :func:`find_directory` finds the central directory from the archive's last bytes,
+:func:`parse_directory` turns it into plain tuples in one pass, :func:`header_runs` and :func:`data_offsets`
+find where members' data start from their local headers, read a run at a time.
+
 Pure arithmetic: no I/O here.
 """
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Optional
 
 ALIGN = 64
 ZIP64_LIMIT = 0xFFFFFFFF  # a size or offset at least this large needs a ZIP64 field
@@ -137,3 +143,156 @@ def central_directory(records: list[Record], cd_offset: int, zip64_limit: int = 
     else:
         out += struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, n, n, cd_size, cd_offset, 0)
     return bytes(out)
+
+
+# ================================================================================================ reading
+STORED = 0  # compression method "stored" (torch never compresses)
+LOCAL_HEADER_SIZE = 30
+_END = struct.Struct("<IHHHHIIH")  # end of central directory record, 22 bytes
+_END64_LOCATOR = struct.Struct("<IIQI")  # 20 bytes
+_END64 = struct.Struct("<IQHHIIQQQQ")  # ZIP64 end of central directory record, 56 bytes
+#: the fields of a central directory entry (46 bytes) that reading needs: signature, flags, method, CRC-32,
+#: stored size, size, lengths of name, extra field and comment, local header offset
+_CENTRAL_FIELDS = struct.Struct("<I4xHH4xIIIHHH8xI")
+#: signature and the name and extra field lengths of a local header (30 bytes)
+_LOCAL_FIELDS = struct.Struct("<I22xHH")
+#: bytes from the end of an archive that hold its end records when it has no (or a short) comment
+END_SEARCH = _END.size + _END64_LOCATOR.size + _END64.size + 1024
+END_SEARCH_MAX = _END.size + _END64_LOCATOR.size + _END64.size + 0xFFFF
+
+
+class ZipFormatError(ValueError):
+    """The bytes are not a (readable) zip archive; the message says what is wrong."""
+
+
+@dataclass(frozen=True)
+class Directory:
+    """Where the central directory is: ``count`` entries, ``size`` bytes at ``offset``; ``shift`` is added to
+    every recorded offset (non-zero only when something was prepended to the archive)."""
+
+    count: int
+    size: int
+    offset: int
+    shift: int = 0
+
+
+def find_directory(tail: bytes, tail_offset: int) -> Optional[Directory]:
+    """The central directory's place from ``tail``, the last bytes of the archive (read from ``tail_offset``);
+    None if the end record is not in ``tail`` (a longer comment: read more). ZIP64 end records are used
+    when present; they must lie in ``tail`` too (they come right before the end record).
+
+    Raises:
+        ZipFormatError: the end records are damaged.
+    """
+    pos = tail.rfind(b"PK\x05\x06")
+    while pos >= 0 and pos + _END.size > len(tail):
+        pos = tail.rfind(b"PK\x05\x06", 0, pos)
+    if pos < 0:
+        return None
+    _, disk, cd_disk, _, count, size, offset, _ = _END.unpack_from(tail, pos)
+    end_at = tail_offset + pos
+    loc = pos - _END64_LOCATOR.size
+    if loc >= 0 and tail[loc:loc + 4] == b"PK\x06\x07":
+        _, _, end64_at, disks = _END64_LOCATOR.unpack_from(tail, loc)
+        i = end64_at - tail_offset
+        if disks > 1:
+            raise ZipFormatError("a multi-disk zip archive")
+        if i < 0 or i + _END64.size > loc or tail[i:i + 4] != b"PK\x06\x06":
+            # the record may follow an extensible data field: it is right before the locator then
+            i = loc - _END64.size
+            if i < 0 or tail[i:i + 4] != b"PK\x06\x06":
+                raise ZipFormatError("the ZIP64 end of central directory record is missing or damaged")
+        _, _, _, _, disk, cd_disk, _, count, size, offset = _END64.unpack_from(tail, i)
+        end_at = tail_offset + i
+    elif disk or cd_disk:
+        raise ZipFormatError("a multi-disk zip archive")
+    shift = end_at - size - offset
+    if shift < 0:
+        raise ZipFormatError("the central directory is larger than the archive before it (truncated?)")
+    return Directory(count, size, offset, shift)
+
+
+def parse_directory(buf: bytes, d: Directory) -> dict[str, tuple]:
+    """The central directory ``buf`` (``d.size`` bytes) as ``{name: (header offset, stored size, size, CRC-32,
+    compression method)}`` (offsets shifted by ``d.shift``; ZIP64 extra fields applied).
+
+    Raises:
+        ZipFormatError: an entry is damaged or the directory is shorter than ``d`` says.
+    """
+    if len(buf) != d.size:
+        raise ZipFormatError(f"truncated central directory ({len(buf)} of {d.size} bytes)")
+    out: dict[str, tuple] = {}
+    unpack, pos, end, shift = _CENTRAL_FIELDS.unpack_from, 0, len(buf), d.shift
+    for _ in range(d.count):
+        if pos + 46 > end:
+            raise ZipFormatError("truncated central directory")
+        sig, flags, method, crc, csize, size, nlen, xlen, clen, off = unpack(buf, pos)
+        if sig != 0x02014B50:
+            raise ZipFormatError("bad magic number for a central directory entry")
+        name_end = pos + 46 + nlen
+        raw = buf[pos + 46:name_end]
+        try:
+            name = raw.decode("ascii")  # what torch writes; the same in both encodings zip allows
+        except UnicodeDecodeError:
+            name = raw.decode("utf-8" if flags & 0x800 else "cp437")
+        if csize == 0xFFFFFFFF or size == 0xFFFFFFFF or off == 0xFFFFFFFF:
+            size, csize, off = _zip64_fields(buf[name_end:name_end + xlen], size, csize, off)
+        out[name] = (off + shift, csize, size, crc, method)
+        pos = name_end + xlen + clen
+    if pos > end:
+        raise ZipFormatError("truncated central directory")
+    return out
+
+
+def _zip64_fields(extra: bytes, size: int, csize: int, off: int) -> tuple[int, int, int]:
+    """Sizes and offset from a ZIP64 extra field (only those recorded as 0xFFFFFFFF are in it, in this order)."""
+    i = 0
+    while i + 4 <= len(extra):
+        tag, n = struct.unpack_from("<HH", extra, i)
+        if tag == 0x0001:
+            data, j = extra[i + 4:i + 4 + n], 0
+            values = []
+            for v in (size, csize, off):
+                if v == 0xFFFFFFFF:
+                    if j + 8 > len(data):
+                        raise ZipFormatError("a truncated ZIP64 extra field")
+                    values.append(struct.unpack_from("<Q", data, j)[0])
+                    j += 8
+                else:
+                    values.append(v)
+            return values[0], values[1], values[2]
+        i += 4 + n
+    raise ZipFormatError("a ZIP64 entry without its ZIP64 extra field")
+
+
+def header_runs(headers: list[tuple[int, str]], near: int) -> list[tuple[int, int, list]]:
+    """How to read the local headers ``(header offset, name)`` (sorted by offset) in few reads: runs of
+    headers at most ``near`` bytes apart, each as ``(start, length, its headers)``."""
+    runs, i = [], 0
+    while i < len(headers):
+        j = i + 1
+        while j < len(headers) and headers[j][0] - headers[j - 1][0] <= near:
+            j += 1
+        start = headers[i][0]
+        runs.append((start, headers[j - 1][0] + LOCAL_HEADER_SIZE - start, headers[i:j]))
+        i = j
+    return runs
+
+
+def data_offsets(buf: bytes, start: int, headers: list[tuple[int, str]], out: dict[str, int]) -> None:
+    """Where each member's data begins (``out[name]``), from its local header in ``buf`` (the file's bytes
+    from ``start``, one of :func:`header_runs`).
+
+    Raises:
+        ZipFormatError: a header is not there ("bad zip local header for NAME") or ``buf`` ends before it
+        ("truncated zip local header").
+    """
+    unpack, n = _LOCAL_FIELDS.unpack_from, len(buf)
+    for header, name in headers:
+        pos = header - start
+        if pos + LOCAL_HEADER_SIZE > n:
+            raise ZipFormatError("truncated zip local header")
+        sig, nlen, xlen = unpack(buf, pos)
+        if sig != 0x04034B50:
+            raise ZipFormatError(f"bad zip local header for {name}")
+        out[name] = header + LOCAL_HEADER_SIZE + nlen + xlen

@@ -1,0 +1,70 @@
+"""Runs several `ckpt` commands one after another in ONE torchrun launch (for tests/test_distributed_reshard.py):
+each launch costs seconds, the commands only milliseconds.
+
+    torchrun ... tests/distributed_driver.py JOBS.json RESULTS_DIR
+
+JOBS.json is a list of ``{"name", "argv", "fault_rank"?, "fault"?}``. Every job is ``ckptlib.cli.main(argv)``
+exactly as ``python -m ckptlib ARGV`` runs it (each one joins and leaves the process group itself). On rank
+``fault_rank`` a fault is injected into the writer: ``"enospc"`` makes the writing of the rank's first unit
+end with "No space left on device" after the unit was written; ``"crash"`` kills the process there
+(``os._exit``, as an OOM kill would). Each rank appends ``{"name", "rc", "stdout", "stderr"}`` per job to
+RESULTS_DIR/rank<R>.jsonl (an unexpected exception is recorded with its traceback, rc "exception").
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import json
+import os
+import signal
+import sys
+import traceback
+from pathlib import Path
+
+
+def faulty(write_unit, fault: str):
+    def wrapper(plan, unit, tmp, ctx):
+        write_unit(plan, unit, tmp, ctx)
+        if fault == "crash":
+            sys.stderr.flush()
+            os._exit(9)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp / plan.files[unit.file].name))
+
+    return wrapper
+
+
+def main() -> int:
+    jobs = json.loads(Path(sys.argv[1]).read_text())
+    results = Path(sys.argv[2])
+    results.mkdir(parents=True, exist_ok=True)
+    rank = int(os.environ["RANK"])
+    # when one rank dies torchrun stops the others with SIGTERM; ckptlib's handler (during a run) cleans up and
+    # raises; outside a run the record of the job must still be written, so the default (death) is not wanted
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    from ckptlib import cli
+    from ckptlib.execute import runner
+
+    for job in jobs:
+        original = runner.write_unit
+        if job.get("fault_rank") == rank:
+            runner.write_unit = faulty(original, job["fault"])
+        out, err = io.StringIO(), io.StringIO()
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                rc = cli.main(job["argv"])
+        except SystemExit as e:
+            rc = e.code
+        except BaseException:
+            rc = "exception"
+            err.write(traceback.format_exc())
+        finally:
+            runner.write_unit = original
+        with open(results / f"rank{rank}.jsonl", "a") as f:
+            f.write(json.dumps({"name": job["name"], "rc": rc, "stdout": out.getvalue(), "stderr": err.getvalue()})
+                    + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""The memory floor of ``ckpt export`` to safetensors, run as users run it (``python -m ckptlib`` under a
+data-segment limit, ``ulimit -d``): it succeeds with 256 MiB, and below its floor it stops with one
+message saying what it needs and what was left, exit code 2, no traceback, and nothing written.
+
+The limits below the floor are the child interpreter's own data segment after importing the CLI plus
+24 MiB: room for the interpreter's threads but not for the 48 MiB of streaming buffers (fp32, copied in
+the kernel), nor for loading numpy with its OpenBLAS buffers (the casts to bf16/fp16).
+"""
+from __future__ import annotations
+
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLE = ROOT / "samples" / "zero2_bf16_w2" / "ckpt"
+MIB = 2**20
+
+
+def cli_data_segment() -> int:
+    """VmData of a fresh interpreter that has imported the CLI (what the export starts from)."""
+    code = ("import ckptlib.cli\n"
+            "print(next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmData:')))")
+    return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                              cwd=ROOT).stdout)
+
+
+def export_under(limit: int, *args) -> subprocess.CompletedProcess:
+    def cap():
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, resource.getrlimit(resource.RLIMIT_DATA)[1]))
+
+    return subprocess.run([sys.executable, "-m", "ckptlib", "export", *map(str, args), "-q"], preexec_fn=cap,
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+def assert_one_memory_message(r: subprocess.CompletedProcess, out: Path, needs: str) -> None:
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 2 and lines[1].startswith("  hint: "), r.stderr
+    assert lines[0].startswith("ckpt export: error: ") and f"ran out of memory: {needs} needs about" in lines[0]
+    assert "left under the data-segment limit (ulimit -d) of" in lines[0], lines[0]
+    assert not out.exists() and not list(out.parent.glob(".*")), "something was left behind"
+
+
+@pytest.mark.parametrize("name,dtype", [("z3_fp32_w2", "fp32"), ("z2_fp32_w2", "fp32"), ("sample", "fp32"),
+                                        ("z3_fp32_w2", "bf16"), ("z2_bf16_w3", "fp16")])
+def test_below_the_floor_the_export_stops_with_one_line_and_writes_nothing(fixture_by_name, tmp_path, name, dtype):
+    """fp32 masters go file to file: the streaming buffers are what does not fit. Casts (to bf16/fp16, or the
+    bf16 module weights of frozen parameters to fp32, as in the sample) need numpy first, which is refused
+    before it is loaded (OpenBLAS would end the process when its buffers cannot be had)."""
+    import ckptlib
+    from ckptlib.execute.writers import needs_cast_kernels
+
+    src = SAMPLE if name == "sample" else fixture_by_name(name)["checkpoint_path"]
+    out = tmp_path / "out"
+    casts = needs_cast_kernels(ckptlib.plan_export(src, out, dtype=dtype))
+    assert casts == (name == "sample" or dtype != "fp32")
+    r = export_under(cli_data_segment() + 24 * MIB, src, out, "--dtype", dtype)
+    assert_one_memory_message(r, out, "loading numpy for the casts" if casts else "this export")
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_the_export_succeeds_with_a_256_mib_data_segment(fixture_by_name, tmp_path, dtype):
+    src = fixture_by_name("z3_bf16_w2")["checkpoint_path"]
+    r = export_under(256 * MIB, src, tmp_path / "capped", "--dtype", dtype)
+    assert r.returncode == 0, r.stderr
+    free = subprocess.run([sys.executable, "-m", "ckptlib", "export", str(src), str(tmp_path / "free"), "-q",
+                           "--dtype", dtype], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert free.returncode == 0, free.stderr
+    written = sorted(p.name for p in (tmp_path / "capped").iterdir())
+    assert written == sorted(p.name for p in (tmp_path / "free").iterdir()) and "model.safetensors" in written
+    for name in written:
+        assert (tmp_path / "capped" / name).read_bytes() == (tmp_path / "free" / name).read_bytes(), name
