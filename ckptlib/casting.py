@@ -158,25 +158,37 @@ def _widen_f16(h: np.ndarray, o: np.ndarray, sc: Scratch) -> None:
 
 
 # ------------------------------------------------------------------------------------------ the casts
-def f32_to_bf16(src: Any, out: Any, scratch: Scratch | None = None) -> int:
-    """float32 -> bfloat16: round to nearest even; every NaN -> ``0xFFFF``. Memory: the scratch."""
-    s = _src(src, np.uint32)
-    o = _out(out, np.uint16, len(s))
+def _blockwise(src: Any, src_type, out: Any, out_type, scratch: Scratch | None, kernel) -> int:
+    """Run ``kernel(src_block, out_block, scratch)`` over the buffers block by block; returns ``n``."""
+    s = _src(src, src_type)
+    o = _out(out, out_type, len(s))
     sc = scratch or Scratch(min(BLOCK, len(s) or 1))
     for a, b in _blocks(len(s), sc):
-        _round_bf16(s[a:b], o[a:b], sc)
+        kernel(s[a:b], o[a:b], sc)
     return len(s)
+
+
+def _bf16_to_f16_block(s, o, sc: Scratch) -> None:
+    wide = sc.c[:len(s)]
+    np.left_shift(s, 16, out=wide, dtype=np.uint32)
+    _round_f16(wide, o, sc)
+
+
+def _f16_to_bf16_block(s, o, sc: Scratch) -> None:
+    wide = sc.c[:len(s)]
+    _widen_f16(s, wide, sc)
+    _round_bf16(wide, o, sc, _BF16_NAN_FROM_F16)
+
+
+def f32_to_bf16(src: Any, out: Any, scratch: Scratch | None = None) -> int:
+    """float32 -> bfloat16: round to nearest even; every NaN -> ``0xFFFF``. Memory: the scratch."""
+    return _blockwise(src, np.uint32, out, np.uint16, scratch, _round_bf16)
 
 
 def f32_to_f16(src: Any, out: Any, scratch: Scratch | None = None) -> int:
     """float32 -> float16: round to nearest even, subnormals, overflow to inf; NaNs quiet, sign and upper
     payload kept. Memory: the scratch."""
-    s = _src(src, np.uint32)
-    o = _out(out, np.uint16, len(s))
-    sc = scratch or Scratch(min(BLOCK, len(s) or 1))
-    for a, b in _blocks(len(s), sc):
-        _round_f16(s[a:b], o[a:b], sc)
-    return len(s)
+    return _blockwise(src, np.uint32, out, np.uint16, scratch, _round_f16)
 
 
 def bf16_to_f32(src: Any, out: Any, scratch: Scratch | None = None) -> int:
@@ -189,37 +201,18 @@ def bf16_to_f32(src: Any, out: Any, scratch: Scratch | None = None) -> int:
 
 def f16_to_f32(src: Any, out: Any, scratch: Scratch | None = None) -> int:
     """float16 -> float32, exact; NaNs quiet, sign and payload kept. Memory: the scratch."""
-    s = _src(src, np.uint16)
-    o = _out(out, np.uint32, len(s))
-    sc = scratch or Scratch(min(BLOCK, len(s) or 1))
-    for a, b in _blocks(len(s), sc):
-        _widen_f16(s[a:b], o[a:b], sc)
-    return len(s)
+    return _blockwise(src, np.uint16, out, np.uint32, scratch, _widen_f16)
 
 
 def bf16_to_f16(src: Any, out: Any, scratch: Scratch | None = None) -> int:
     """bfloat16 -> float16 through float32 (exact), as torch does. Memory: the scratch."""
-    s = _src(src, np.uint16)
-    o = _out(out, np.uint16, len(s))
-    sc = scratch or Scratch(min(BLOCK, len(s) or 1))
-    for a, b in _blocks(len(s), sc):
-        wide = sc.c[:b - a]
-        np.left_shift(s[a:b], 16, out=wide, dtype=np.uint32)
-        _round_f16(wide, o[a:b], sc)
-    return len(s)
+    return _blockwise(src, np.uint16, out, np.uint16, scratch, _bf16_to_f16_block)
 
 
 def f16_to_bf16(src: Any, out: Any, scratch: Scratch | None = None) -> int:
     """float16 -> bfloat16 through float32 (exact), as torch does; every NaN -> ``0x7FC0``. Memory: the
     scratch."""
-    s = _src(src, np.uint16)
-    o = _out(out, np.uint16, len(s))
-    sc = scratch or Scratch(min(BLOCK, len(s) or 1))
-    for a, b in _blocks(len(s), sc):
-        wide = sc.c[:b - a]
-        _widen_f16(s[a:b], wide, sc)
-        _round_bf16(wide, o[a:b], sc, _BF16_NAN_FROM_F16)
-    return len(s)
+    return _blockwise(src, np.uint16, out, np.uint16, scratch, _f16_to_bf16_block)
 
 
 def copy(src: Any, out: Any, scratch: Scratch | None = None) -> int:
