@@ -14,23 +14,61 @@ Public API::
     health = ckptlib.check("output/checkpoint-500")           # statistics and problems, streamed
     d = ckptlib.diff("output/checkpoint-500", "out")          # any two checkpoints / exports, tensor by tensor
 """
-from .deepspeed import Checkpoint, open_checkpoint
-from .errors import (Cancelled, CkptError, IncompleteCheckpointError, NotACheckpointError, OutOfMemoryError,
-                     OutputError, UnsafeCheckpointError, UnsupportedCheckpointError)
-from .export import ExportPlan, ExportResult, export, plan_export
-from .mesh import Rank
-from .plan import Plan
-from .progress import Observer
-from .reshard import (ReshardPlan, ReshardResult, UniversalPlan, UniversalResult, plan_reshard, plan_universal, reshard,
-                      write_universal)
-from .execute import RunResult, run, run_distributed
-from .summary import describe
-from .verify import Preflight, Verification, preflight, verify
-from .health import CheckPlan, CheckResult, check, plan_check
-from .tensordiff import DiffPlan, DiffResult, diff, plan_diff
-from .tensorsets import TensorSet, open_tensor_set
+import importlib
+import sys
+import types
 
 __version__ = "0.1.0"
+
+#: the public names and the module each comes from, imported on first use (PEP 562): ``import ckptlib``
+#: costs almost nothing, and a command loads only what it needs (``ckpt export`` never loads check, diff
+#: or verification)
+_API = {
+    ".deepspeed": ("Checkpoint", "open_checkpoint"),
+    ".errors": ("Cancelled", "CkptError", "IncompleteCheckpointError", "NotACheckpointError", "OutOfMemoryError",
+                "OutputError", "UnsafeCheckpointError", "UnsupportedCheckpointError"),
+    ".export": ("ExportPlan", "ExportResult", "export", "plan_export"),
+    ".mesh": ("Rank",),
+    ".plan": ("Plan",),
+    ".progress": ("Observer",),
+    ".reshard": ("ReshardPlan", "ReshardResult", "UniversalPlan", "UniversalResult", "plan_reshard", "plan_universal",
+                 "reshard", "write_universal"),
+    ".execute": ("RunResult", "run", "run_distributed"),
+    ".summary": ("describe",),
+    ".verify": ("Preflight", "Verification", "preflight", "verify"),
+    ".health": ("CheckPlan", "CheckResult", "check", "plan_check"),
+    ".tensordiff": ("DiffPlan", "DiffResult", "diff", "plan_diff"),
+    ".tensorsets": ("TensorSet", "open_tensor_set"),
+}
+_SOURCE = {name: module for module, names in _API.items() for name in names}
+
+
+def __getattr__(name: str):
+    module = _SOURCE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ckptlib' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(_SOURCE))
+
+
+class _Package(types.ModuleType):
+    """The import system records every imported submodule as an attribute of its package. Three
+    submodules share their name with a function of the API (``export``, ``reshard``, ``verify``);
+    ``ckptlib.export(...)`` must stay the function, however the submodule got imported."""
+
+    def __setattr__(self, name, value):
+        if isinstance(value, types.ModuleType) and name in _SOURCE:
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
 
 __all__ = [
     "Checkpoint", "open_checkpoint", "describe", "Rank", "plan_export", "export", "ExportPlan", "ExportResult",

@@ -90,7 +90,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return _plan_and_run(args, lambda: plan_export(
         args.path, args.out, tag=args.tag, format=args.format, dtype=args.dtype,
         max_shard_size=args.max_shard_size, exclude_frozen=args.exclude_frozen, states=states,
-        workers=args.workers, overwrite=args.overwrite, tp_rules=args.tp_rules, hf_files=args.hf_files), "export")
+        workers=args.workers, overwrite=args.overwrite, tp_rules=args.tp_rules, hf_files=args.hf_files,
+        sync=args.sync), "export")
 
 
 def _cmd_reshard(args: argparse.Namespace) -> int:
@@ -101,9 +102,9 @@ def _cmd_reshard(args: argparse.Namespace) -> int:
             raise CkptError("--world-size is required (or --universal for a size-independent checkpoint)")
         if args.universal:
             return plan_universal(args.path, args.out, tag=args.tag, overwrite=args.overwrite, workers=args.workers,
-                                  tp_rules=args.tp_rules, hf_files=args.hf_files)
+                                  tp_rules=args.tp_rules, hf_files=args.hf_files, sync=args.sync)
         return plan_reshard(args.path, args.out, args.world_size, tag=args.tag, overwrite=args.overwrite,
-                            workers=args.workers, tp_rules=args.tp_rules, hf_files=args.hf_files)
+                            workers=args.workers, tp_rules=args.tp_rules, hf_files=args.hf_files, sync=args.sync)
 
     return _plan_and_run(args, make_plan, "reshard")
 
@@ -142,6 +143,11 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+NO_SYNC_HELP = ("do not wait for the disk: the output appears as soon as it is written and the kernel stores it "
+                "afterwards, as torch.save and DeepSpeed do (still atomic if the run is killed or fails, but a power "
+                "cut in the next seconds may leave it incomplete); by default it is on disk before it appears")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ckpt", description="Inspect and convert DeepSpeed ZeRO checkpoints.",
                                      formatter_class=_Formatter)
@@ -175,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--states", help="optimizer states to export too, comma separated, e.g. exp_avg,exp_avg_sq")
     p.add_argument("--workers", type=int, default=1, help="processes to write with")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    p.add_argument("--no-sync", dest="sync", action="store_false", help=NO_SYNC_HELP)
     p.add_argument("--plan", action="store_true", help="only show the plan (files, bytes, memory); write nothing")
     p.add_argument("--json", action="store_true", help="with --plan: print the plan as JSON")
     p.add_argument("--distributed", action="store_true",
@@ -201,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "bytes and memory; write nothing")
     p.add_argument("--json", action="store_true", help="with --plan: print the plan as JSON")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    p.add_argument("--no-sync", dest="sync", action="store_false", help=NO_SYNC_HELP)
     p.add_argument("--workers", type=int, default=None,
                    help="files written at a time, each thread with its own 48 MiB of buffers "
                         "(default: 2 with 2+ cores)")

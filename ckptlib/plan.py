@@ -171,7 +171,10 @@ class RangeCheck:
 class Plan:
     """What every plan has. ``files`` are written first (in parallel units, see :mod:`ckptlib.execute`),
     then ``finals`` in order; ``folders`` are made before anything. ``workers`` writers run as threads
-    or processes (``parallel``); each streams through three buffers of ``chunk_bytes``."""
+    or processes (``parallel``); each streams through three buffers of ``chunk_bytes``. With ``sync`` (the
+    default) the output is on disk before it appears under its name, so even a power cut leaves it whole
+    or absent; without, it appears as soon as it is written (complete, still atomically against a killed
+    or failing run) and the kernel writes it to disk afterwards, as ``torch.save`` and DeepSpeed's tools do."""
 
     action: ClassVar[str] = "run"
     source: SourceRef
@@ -183,6 +186,7 @@ class Plan:
     workers: int = 1
     parallel: str = THREADS
     overwrite: bool = False
+    sync: bool = True
     notes: list = field(default_factory=list)
     checks: list = field(default_factory=list)
 
@@ -212,9 +216,12 @@ class Plan:
         """The lines every plan's description shares: what is read and written, and the memory."""
         who = (f"{self.workers} writing thread(s), 3 streaming buffers each" if self.parallel == THREADS
                else f"per process; {self.workers} process(es), 3 streaming buffers each")
-        return [f"{self.reads_text()}; {self.writes_text()}",
-                f"predicted peak memory: {human_bytes(self.predicted_peak_bytes)} ({who}, "
-                f"{human_bytes(self.chunk_bytes)} chunks; independent of the model size)"]
+        lines = [f"{self.reads_text()}; {self.writes_text()}",
+                 f"predicted peak memory: {human_bytes(self.predicted_peak_bytes)} ({who}, "
+                 f"{human_bytes(self.chunk_bytes)} chunks; independent of the model size)"]
+        if not self.sync:
+            lines.append("not synced: the output appears when written; the kernel puts it on disk after the run")
+        return lines
 
     def reads_text(self) -> str:
         """``"reads 3.1 MB of the 3.1 MB in the tag folder global_step4 (+ 530 KB of other files copied as

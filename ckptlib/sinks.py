@@ -9,6 +9,7 @@ import collections
 import ctypes
 import os
 import sys
+import threading
 import zlib
 from typing import Optional
 
@@ -35,6 +36,26 @@ _sync_file_range = _load_sync_file_range()
 _SFR_WAIT_BEFORE, _SFR_WRITE, _SFR_WAIT_AFTER = 1, 2, 4
 
 
+class UnsyncedBudget:
+    """How many written bytes a run that does not sync (``Plan.sync`` False) may leave in the page cache
+    for the kernel to write after it has ended; thread-safe, shared by the run's files. Once spent,
+    further writes go to disk as they are made (:class:`WriteBehind`), so a large output never piles
+    up more dirty pages than this."""
+
+    def __init__(self, nbytes: int):
+        self.left = max(0, nbytes)
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> bool:
+        """Spend ``nbytes`` of the budget if that much is left; False (nothing spent) if not."""
+        with self._lock:
+            if nbytes > self.left:
+                self.left = 0  # from now on everything goes write-behind: no gaps in the written runs
+                return False
+            self.left -= nbytes
+            return True
+
+
 class WriteBehind:
     """Writes an output file's dirty pages to disk as it grows and then drops them from the page cache.
 
@@ -47,16 +68,22 @@ class WriteBehind:
     the 2-core VM of ``bench/`` writing 3.5 GiB took 1.6 s instead of 3.4 s without it (both with
     ``fsync``; ``bench/write_path.py``). Elsewhere it degrades to ``posix_fadvise`` alone, or to
     nothing. ``CKPTLIB_WRITE_BEHIND=0`` in the environment turns it off (plain buffered writes).
+
+    With an ``unsynced`` budget (a run that does not sync its output), bytes are left to the kernel
+    while the budget lasts: an output smaller than it is never waited for.
     """
 
-    def __init__(self, fd: int, window: int = 16 * 2**20, lag: int = 8):
+    def __init__(self, fd: int, window: int = 16 * 2**20, lag: int = 8, unsynced: Optional[UnsyncedBudget] = None):
         self.fd, self.window, self.lag = fd, window, lag
         self.enabled = os.environ.get("CKPTLIB_WRITE_BEHIND", "1") != "0"
+        self.unsynced = unsynced
         self._run: Optional[list] = None  # [start, end) of the bytes written in a row, not handed over yet
         self._flight: collections.deque = collections.deque()
 
     def wrote(self, offset: int, nbytes: int) -> None:
         if nbytes <= 0 or not self.enabled:
+            return
+        if self.unsynced is not None and self.unsynced.take(nbytes):
             return
         if self._run is not None and self._run[1] == offset:
             self._run[1] += nbytes
@@ -160,4 +187,4 @@ class PwriteSink:
         self.offset += nbytes
 
 
-__all__ = ["WriteBehind", "PwriteSink", "pwrite_all", "kernel_copy", "WRITE_SLICE"]
+__all__ = ["WriteBehind", "UnsyncedBudget", "PwriteSink", "pwrite_all", "kernel_copy", "WRITE_SLICE"]

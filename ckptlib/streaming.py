@@ -21,13 +21,15 @@ import mmap
 import os
 import sys
 import zlib
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from .dtypes import itemsize, torch_dtype
 from .progress import check_cancel
 from .ranges import StoredRange, Zeros, numel, slice_ranges
 from .sources import SourceFiles
+
+if TYPE_CHECKING:
+    from concurrent.futures import ThreadPoolExecutor
 
 DEFAULT_CHUNK_BYTES = 16 * 2**20
 FIXED_OVERHEAD_BYTES = 8 * 2**20  # allowance for the plan's object trees, the cast scratch and bookkeeping
@@ -63,6 +65,8 @@ class ChunkBuffers:
     def pool(self) -> ThreadPoolExecutor:
         """The read-ahead thread, started on first use once there is room for it (:func:`thread_room`)."""
         if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor  # only runs that read through the buffers need it
+
             thread_room()
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptlib-read")
         return self._pool

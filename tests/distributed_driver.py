@@ -7,8 +7,10 @@ JOBS.json is a list of ``{"name", "argv", "fault_rank"?, "fault"?}``. Every job 
 exactly as ``python -m ckptlib ARGV`` runs it (each one joins and leaves the process group itself). On rank
 ``fault_rank`` a fault is injected into the writer: ``"enospc"`` makes the writing of the rank's first unit
 end with "No space left on device" after the unit was written; ``"crash"`` kills the process there
-(``os._exit``, as an OOM kill would). Each rank appends ``{"name", "rc", "stdout", "stderr"}`` per job to
-RESULTS_DIR/rank<R>.jsonl (an unexpected exception is recorded with its traceback, rc "exception").
+(``os._exit``, as an OOM kill would). On rank ``slow_rank`` every unit starts only after a pause of
+``SLOW`` seconds, and the units it finished are counted (``"units"`` in its record). Each rank appends
+``{"name", "rc", "stdout", "stderr"}`` per job to RESULTS_DIR/rank<R>.jsonl (an unexpected exception is
+recorded with its traceback, rc "exception").
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import json
 import os
 import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -30,6 +33,18 @@ def faulty(write_unit, fault: str):
             sys.stderr.flush()
             os._exit(9)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp / plan.files[unit.file].name))
+
+    return wrapper
+
+
+SLOW = 3.0
+
+
+def slowed(write_unit, done: list):
+    def wrapper(plan, unit, tmp, ctx):
+        time.sleep(SLOW)
+        write_unit(plan, unit, tmp, ctx)
+        done.append(unit)
 
     return wrapper
 
@@ -47,8 +62,11 @@ def main() -> int:
 
     for job in jobs:
         original = runner.write_unit
+        done: list = []
         if job.get("fault_rank") == rank:
             runner.write_unit = faulty(original, job["fault"])
+        if job.get("slow_rank") == rank:
+            runner.write_unit = slowed(original, done)
         out, err = io.StringIO(), io.StringIO()
         try:
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -61,8 +79,8 @@ def main() -> int:
         finally:
             runner.write_unit = original
         with open(results / f"rank{rank}.jsonl", "a") as f:
-            f.write(json.dumps({"name": job["name"], "rc": rc, "stdout": out.getvalue(), "stderr": err.getvalue()})
-                    + "\n")
+            f.write(json.dumps({"name": job["name"], "rc": rc, "stdout": out.getvalue(), "stderr": err.getvalue(),
+                                "units": len(done)}) + "\n")
     return 0
 
 

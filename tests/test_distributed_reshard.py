@@ -1,6 +1,6 @@
 """`ckpt reshard --distributed` (and `--universal`, and `export`) under torchrun on real DeepSpeed checkpoints: the
 ranks share the target files out and write the same bytes as one process; a failure or the death of any rank
-leaves no output (nor its temporary folder) and one message; two torchrun node launchers (c10d rendezvous on
+leaves no output (nor its temporary folder) and one message, and the other ranks stop writing soon after a failure; two torchrun node launchers (c10d rendezvous on
 127.0.0.1) give the same bytes too.
 
 Launches are the expensive part (seconds each), so the commands of one launch run one after another in it
@@ -43,12 +43,14 @@ CASES = {
     "tp2_dp2_z2_bf16->1": ("tp2_dp2_z2_bf16", ["reshard", "--world-size", "1"]),
     "tp2_dp2_z2_bf16 universal": ("tp2_dp2_z2_bf16", ["reshard", "--universal"]),
     "export z3_bf16_w3 bf16 6KB shards": ("z3_bf16_w3", ["export", "--dtype", "bf16", "--max-shard-size", "6KB"]),
+    "z2_bf16_w4->3 not synced": ("z2_bf16_w4", ["reshard", "--world-size", "3", "--no-sync"]),
 }
 TWO_NODE_CASES = {
     "export large_w2 10MB shards": ("large_w2", ["export", "--max-shard-size", "10MB"]),
     "export large_w2 torch": ("large_w2", ["export", "--format", "torch", "--max-shard-size", "10MB"]),
     "reshard z3_bf16_w3->2": ("z3_bf16_w3", ["reshard", "--world-size", "2"]),
     "reshard pp2_dp2_z1_bf16->1": ("pp2_dp2_z1_bf16", ["reshard", "--world-size", "1"]),
+    "export large_w2 not synced": ("large_w2", ["export", "--max-shard-size", "10MB", "--no-sync"]),
 }
 
 
@@ -150,7 +152,7 @@ def one_node(fixture_by_name, parallel_fixtures, tmp_path_factory):
                                                                                            / "out"),
                                             "--world-size", "2", "-q", "--distributed"]},
         {"name": "enospc", "argv": ["reshard", str(src), str(work / "enospc" / "out"), "--world-size", "2", "-q",
-                                    "--distributed"], "fault_rank": 1, "fault": "enospc"},
+                                    "--distributed"], "fault_rank": 1, "fault": "enospc", "slow_rank": 0},
         {"name": "crash", "argv": ["reshard", str(src), str(work / "crash" / "out"), "--world-size", "2", "-q",
                                    "--distributed"], "fault_rank": 1, "fault": "crash"},
     ]
@@ -205,6 +207,9 @@ def test_a_failure_on_one_rank_leaves_nothing_and_one_message(one_node):
     assert len(lines) == 2 and lines[1].startswith("  hint: ")
     assert r1["stderr"] == ""  # rank 0 says it once
     assert _leftovers(one_node["work"] / "enospc", "out") == []
+    # rank 0 (each of its units starting 3 s late) saw rank 1's failure before its first unit and wrote none of
+    # its share; only rank 1's failure is in the message
+    assert r0["units"] == 0 and "stopped because another rank failed" not in r0["stderr"]
 
 
 def test_a_rank_that_dies_leaves_nothing(one_node):

@@ -161,3 +161,43 @@ def test_the_standins_keep_the_unpickler_restricted():
         load(b"\x80\x02ctorch\nSize\n](ctorch\ndevice\nX\x03\x00\x00\x00cpu\x85Re\x85R.")
     with pytest.raises(TypeError):
         load(b"\x80\x02ctorch\nbfloat16\nX\x01\x00\x00\x00x\x85R.")
+
+
+LOADED = r"""
+import json, sys
+from ckptlib.cli import main
+code = main([a for a in sys.argv[1:]])
+print(json.dumps({"code": code, "modules": sorted(sys.modules)}))
+"""
+
+
+def test_an_fp32_export_loads_only_what_it_uses(fixture_by_name, tmp_path):
+    """The package's names load on first use: an fp32 export of fp32 masters (copied inside the kernel, one
+    process) never loads check, diff, verification or reshard code, worker processes, the read-ahead pool
+    or the cast kernels."""
+    src = fixture_by_name("z3_fp32_w2")["checkpoint_path"]
+    proc = subprocess.run([sys.executable, "-c", LOADED, "export", str(src), str(tmp_path / "o"), "-q"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["code"] == 0 and (tmp_path / "o" / "model.safetensors").is_file()
+    loaded = set(report["modules"])
+    assert "ckptlib.export.plan" in loaded and "ckptlib.execute.runner" in loaded  # the watcher sees real imports
+    unused = {"ckptlib.health", "ckptlib.tensordiff", "ckptlib.verify", "ckptlib.compare", "ckptlib.reshard",
+              "ckptlib.execute.processes", "multiprocessing", "concurrent.futures", "torch", "numpy"}
+    assert not unused & loaded, sorted(unused & loaded)
+
+
+def test_api_functions_keep_their_names_beside_submodules_of_the_same_name():
+    """``ckptlib.export``, ``.reshard`` and ``.verify`` are functions, also once the submodules of those
+    names are imported (the import system records submodules as attributes of the package)."""
+    code = ("import ckptlib, ckptlib.verify, ckptlib.export.plan, ckptlib.reshard.universal, inspect\n"
+            "names = ['export', 'reshard', 'verify', 'check', 'diff', 'run', 'open_checkpoint', 'CkptError']\n"
+            "assert all(callable(getattr(ckptlib, n)) and not inspect.ismodule(getattr(ckptlib, n)) for n in names)\n"
+            "from ckptlib import *\n"
+            "assert set(ckptlib.__all__) <= set(dir(ckptlib)) and plan_export and TensorSet\n"
+            "import sys; assert sys.modules['ckptlib.verify'].verify is ckptlib.verify\n"
+            "try:\n    ckptlib.no_such_name\nexcept AttributeError as e:\n    assert 'no_such_name' in str(e)\n"
+            "else:\n    raise SystemExit('no AttributeError')\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]

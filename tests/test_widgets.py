@@ -270,8 +270,11 @@ def test_reshard_wizard_runs_and_verifies(fixture, target, fixture_by_name, tmp_
     w = ReshardWizard(fx["checkpoint_path"], out=out)
     assert w.world_size.value == 2 * fx["world_size"]
     w.world_size.value = target
+    assert w.sync.value is True
+    w.sync.value = False                                       # left to the kernel: the same bytes, sooner
     w.plan_button.click()
     assert f"-&gt; {target} data-parallel ranks" in w.plan_view.value
+    assert w.plan.sync is False and "not synced" in w.plan_view.value
     w.run_button.click()
     assert w.wait(60) == "done", (w.status.value, w.errors.message.value)
     assert all(c.ok for c in w.verification), w.verification

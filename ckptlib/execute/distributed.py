@@ -10,7 +10,9 @@ then goes in three steps, each ended by a collective:
    others where it is;
 2. every rank writes the units :func:`~ckptlib.execute.writers.assign` gives it (the plan's units
    balanced over the ranks by bytes: whole files, a safetensors file's tensors each on its own) with
-   ``plan.workers`` threads when the plan writes in threads, and syncs what it wrote to disk;
+   ``plan.workers`` threads when the plan writes in threads, and syncs what it wrote to disk (unless the
+   plan does not sync); a rank that fails leaves a marker in the shared temporary folder, and the other
+   ranks stop at their next chunk instead of writing the rest of their share for nothing;
 3. once every rank has reported (a barrier: ``all_gather``), rank 0 writes the text finals and renames
    the folder into place, one atomic rename; if any rank failed, it removes the folder instead and
    every rank raises :class:`DistributedFailure`, whose message (rank 0's) names each failed rank
@@ -37,14 +39,14 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from ..errors import CkptError
+from ..errors import Cancelled, CkptError
 from ..memory import watch_memory
 from ..output import AtomicOutputDir, reporting_failures
 from ..plan import THREADS, Plan
 from ..progress import Observer
 from ..sources import check_unchanged
 from ..streaming import load_cast_kernels
-from .runner import RunResult, compare_copies, finished, write_in_threads
+from .runner import AnyOf, RunResult, compare_copies, finished, write_in_threads
 from .writers import Unit, assign, needs_cast_kernels, prepare, units, write_finals
 
 
@@ -63,6 +65,25 @@ class DistributedFailure(CkptError):
 
 class Terminated(BaseException):
     """SIGTERM arrived during a distributed run (torchrun stops the other ranks when one dies)."""
+
+
+STOP_MARK = ".ckptlib-stop"
+
+
+class PeerStop:
+    """Set once some rank of the run has failed: that rank leaves :data:`STOP_MARK` in the shared temporary
+    folder (which the failed run removes in the end), and the others, checking it at every chunk (one
+    ``stat``), stop writing a share that would be removed anyway."""
+
+    def __init__(self, tmp: Path):
+        self.path = tmp / STOP_MARK
+
+    def is_set(self) -> bool:
+        return os.path.exists(self.path)
+
+    def set(self) -> None:
+        with contextlib.suppress(OSError):  # best effort: the collective after the writing decides anyway
+            self.path.touch()
 
 
 _JOINS = itertools.count()  # process groups joined by this process (the same count on every rank)
@@ -214,19 +235,26 @@ def run_distributed(plan: Plan, observer: Optional[Observer] = None, cancel: Any
                 tmp, atomic = _prepare_on_rank0(plan, rank)
                 mine = assign(units(plan, split=True), world)[rank]
                 error, read = None, 0
+                peer = PeerStop(tmp)
                 try:
                     if needs_cast_kernels(plan):  # as in a single run: numpy loaded (or refused) before writing
                         load_cast_kernels()
                     threads = plan.workers if plan.parallel == THREADS else 1
                     progress = _scaled_progress(observer, sum(u.nbytes for u in mine), plan.write_bytes)
-                    read = write_in_threads(plan, mine, tmp, observer, cancel, threads, progress)
-                    if rank != 0:
+                    read = write_in_threads(plan, mine, tmp, observer, AnyOf(cancel, peer), threads, progress,
+                                            int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+                    if rank != 0 and plan.sync:
                         _sync_files(plan, mine, tmp)
                 except BaseException as e:  # reported to every rank below
-                    error = f"rank {rank}: {_describe(e)}"
+                    if isinstance(e, Cancelled) and peer.is_set() and not (cancel is not None and cancel.is_set()):
+                        error = ("stopped", f"rank {rank}: stopped because another rank failed")
+                    else:
+                        peer.set()
+                        error = ("failed", f"rank {rank}: {_describe(e)}")
                 errors: list = [None] * world
                 dist.all_gather_object(errors, error)  # the barrier: every rank has finished its share
-                failed = [e for e in errors if e]
+                failed = [m for kind, m in filter(None, errors) if kind == "failed"] or \
+                    [m for _, m in filter(None, errors)]
                 final: list = [None]
                 if rank == 0:
                     final = [_finish_on_rank0(plan, atomic, tmp, failed)]
@@ -262,7 +290,8 @@ def _prepare_on_rank0(plan: Plan, rank: int) -> tuple[Path, Optional[AtomicOutpu
             with reporting_failures(plan.out, Observer()):  # an OSError becomes one OutputError naming the output
                 check_unchanged(plan.source.stamps)
                 compare_copies(plan)
-                atomic = AtomicOutputDir(plan.out, source=plan.source.save_dir, overwrite=plan.overwrite)
+                atomic = AtomicOutputDir(plan.out, source=plan.source.save_dir, overwrite=plan.overwrite,
+                                         sync=plan.sync)
                 tmp = atomic.__enter__()
                 prepare(plan, tmp)
             msg = [("ok", str(tmp))]
@@ -295,4 +324,4 @@ def _finish_on_rank0(plan: Plan, atomic: AtomicOutputDir, tmp: Path, failed: lis
         return f"rank 0: {_describe(e)}"
 
 
-__all__ = ["run_distributed", "shared_plan", "process_group", "DistributedFailure"]
+__all__ = ["run_distributed", "shared_plan", "process_group", "DistributedFailure", "PeerStop", "STOP_MARK"]

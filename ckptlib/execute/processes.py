@@ -16,7 +16,7 @@ from ..plan import Plan
 from ..progress import Observer, check_cancel
 from ..sources import SourceFiles
 from ..streaming import load_cast_kernels
-from .writers import WriteContext, assign, needs_cast_kernels, units, write_unit
+from .writers import WriteContext, assign, needs_cast_kernels, units, unsynced_budget, write_unit
 
 REPORT_EVERY = 8 * 2**20
 
@@ -34,7 +34,7 @@ def _worker_main(plan: Plan, tmp: str, work: list, q) -> None:
 
         if needs_cast_kernels(plan):
             load_cast_kernels()
-        ctx = WriteContext(plan.chunk_bytes, files, progress)
+        ctx = WriteContext(plan.chunk_bytes, files, progress, unsynced=unsynced_budget(plan, plan.workers))
         for u in work:
             write_unit(plan, u, Path(tmp), ctx)
         ctx.close()

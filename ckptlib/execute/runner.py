@@ -26,8 +26,7 @@ from ..plan import PROCESSES, Plan
 from ..progress import Observer, check_cancel, progress_to
 from ..sources import SourceFiles, check_unchanged
 from ..streaming import first_difference, load_cast_kernels
-from .processes import write_in_processes
-from .writers import Unit, WriteContext, needs_cast_kernels, prepare, units, write_finals, write_unit
+from .writers import Unit, WriteContext, needs_cast_kernels, prepare, units, unsynced_budget, write_finals, write_unit
 
 
 @dataclass
@@ -85,9 +84,12 @@ def run(plan: Plan, observer: Optional[Observer] = None, cancel: Any = None) -> 
             if needs_cast_kernels(plan):  # numpy, loaded (or refused for want of memory) before anything is written
                 load_cast_kernels()
             compare_copies(plan, cancel)
-            with AtomicOutputDir(plan.out, source=plan.source.save_dir, overwrite=plan.overwrite) as tmp:
+            with AtomicOutputDir(plan.out, source=plan.source.save_dir, overwrite=plan.overwrite,
+                                 sync=plan.sync) as tmp:
                 prepare(plan, tmp)
                 if plan.parallel == PROCESSES and plan.workers > 1:
+                    from .processes import write_in_processes  # multiprocessing, loaded only for worker processes
+
                     read = write_in_processes(plan, tmp, observer, cancel)
                 else:
                     read = write_in_threads(plan, units(plan), tmp, observer, cancel, plan.workers)
@@ -124,14 +126,16 @@ def finished(plan: Plan, seconds: float, read: int, memory: Optional[MemoryRepor
 
 
 def write_in_threads(plan: Plan, work: list[Unit], tmp: Path, observer: Observer, cancel: Any,
-                     threads: int = 1, progress: Optional[Callable[[int], None]] = None) -> int:
+                     threads: int = 1, progress: Optional[Callable[[int], None]] = None,
+                     processes_on_machine: int = 1) -> int:
     """Write ``work`` with ``threads`` writing threads (the calling thread when 1: in plan order; else
     largest first). The first failure stops the other threads at their next chunk and is raised.
-    Returns the bytes read from the source."""
+    ``processes_on_machine`` (writing processes sharing this machine's page cache) divides what a run
+    that does not sync leaves to the kernel. Returns the bytes read from the source."""
     failed = threading.Event()
     files = SourceFiles()
     ctx = WriteContext(plan.chunk_bytes, files, progress or progress_to(observer, plan.write_bytes),
-                       AnyOf(cancel, failed), observer)
+                       AnyOf(cancel, failed), observer, unsynced_budget(plan, processes_on_machine))
     try:
         if threads <= 1 or len(work) <= 1:
             for u in work:

@@ -17,7 +17,8 @@ from typing import Any, Callable, Optional
 
 from ..plan import CopyFile, Plan, TextFile, TreeFile, WeightsFile
 from ..progress import Observer, check_cancel
-from ..sinks import PwriteSink, WriteBehind
+from ..memory import cgroup_memory
+from ..sinks import PwriteSink, UnsyncedBudget, WriteBehind
 from ..sources import SourceFiles
 from ..stformat import SafetensorsLayout, TensorSpec
 from ..ranges import StoredRange
@@ -38,12 +39,14 @@ class Unit:
 
 class WriteContext:
     """What writers need while a run goes on: the source files, one set of buffers per thread (made on
-    first use, released by :meth:`close`), progress (thread-safe; totals only go up) and cancellation."""
+    first use, released by :meth:`close`), progress (thread-safe; totals only go up), cancellation, and
+    for a run that does not sync, the bytes it may leave to the kernel (:func:`unsynced_budget`)."""
 
     def __init__(self, chunk_bytes: int, files: SourceFiles, progress: Callable[[int], None] = lambda n: None,
-                 cancel: Any = None, observer: Optional[Observer] = None):
+                 cancel: Any = None, observer: Optional[Observer] = None, unsynced: Optional[UnsyncedBudget] = None):
         self.chunk_bytes, self.files, self.progress = chunk_bytes, files, progress
         self.cancel = cancel
+        self.unsynced = unsynced
         self.observer = observer or Observer()
         self._local = threading.local()
         self._made: list[ChunkBuffers] = []
@@ -65,6 +68,37 @@ class WriteContext:
         for b in made:
             b.close()
         self._local = threading.local()
+
+
+def kernel_writeback_threshold() -> int:
+    """Bytes of dirty page cache the kernel lets pile up before it starts writing back on its own: Linux
+    ``vm.dirty_background_bytes``, or ``vm.dirty_background_ratio`` percent of the available memory (in a
+    memory cgroup, of what it still allows, where the kernel throttles too); 256 MiB where that cannot be
+    read. Reads a few small files under ``/proc`` and ``/sys/fs/cgroup``."""
+    def read(path: str) -> int:
+        with open(path) as f:
+            return int(f.read().split()[0])
+
+    try:
+        fixed = read("/proc/sys/vm/dirty_background_bytes")
+        ratio = read("/proc/sys/vm/dirty_background_ratio")
+        with open("/proc/meminfo") as f:
+            room = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, ValueError, StopIteration, IndexError):
+        return 256 * 2**20
+    limit, usage = cgroup_memory()
+    if limit is not None:
+        room = min(room, max(0, limit - (usage or 0)))
+    return min(fixed, room) if fixed > 0 else room * ratio // 100
+
+
+def unsynced_budget(plan: Plan, writers: int = 1) -> Optional[UnsyncedBudget]:
+    """None for a plan that syncs its output; else one writing process's share (of ``writers``) of what
+    the kernel keeps dirty before it starts writing back by itself (so that, below it, the disk is left
+    alone while the run reads). Reads two small files under ``/proc``."""
+    if plan.sync:
+        return None
+    return UnsyncedBudget(kernel_writeback_threshold() // max(1, writers))
 
 
 def safetensors_layout(f: WeightsFile) -> SafetensorsLayout:
@@ -119,9 +153,10 @@ def write_unit(plan: Plan, unit: Unit, tmp: Path, ctx: WriteContext) -> None:
             ctx.observer.on_tensor(t.name)
         tree = collections.OrderedDict((t.name, NewTensor(t.dtype, t.shape, t.ranges)) for t in f.tensors)
         torch_save(tree, path, archive=Path(f.name).name.split(".")[0], progress=ctx.progress, bufs=ctx.bufs,
-                   files=ctx.files, cancel=ctx.cancel)
+                   files=ctx.files, cancel=ctx.cancel, unsynced=ctx.unsynced)
     elif isinstance(f, TreeFile):
-        torch_save(f.obj, path, progress=ctx.progress, bufs=ctx.bufs, files=ctx.files, cancel=ctx.cancel)
+        torch_save(f.obj, path, progress=ctx.progress, bufs=ctx.bufs, files=ctx.files, cancel=ctx.cancel,
+                   unsynced=ctx.unsynced)
     elif isinstance(f, CopyFile):
         shutil.copy2(f.source, path)
         ctx.files.count(f.write_bytes)
@@ -134,7 +169,7 @@ def _write_safetensors(f: WeightsFile, which, path: Path, ctx: WriteContext) -> 
     layout = safetensors_layout(f)
     fd = os.open(path, os.O_WRONLY)
     try:
-        behind = WriteBehind(fd)  # written bytes go on to disk and leave the page cache as we go
+        behind = WriteBehind(fd, unsynced=ctx.unsynced)  # written bytes go on to disk and leave the page cache
         for i in which:
             t = f.tensors[i]
             ctx.observer.on_tensor(t.name)
@@ -173,5 +208,5 @@ def write_finals(plan: Plan, tmp: Path) -> None:
         (tmp / f.name).write_text(f.text)
 
 
-__all__ = ["Unit", "WriteContext", "safetensors_layout", "prepare", "units", "assign", "write_unit", "write_finals",
+__all__ = ["Unit", "WriteContext", "unsynced_budget", "kernel_writeback_threshold", "safetensors_layout", "prepare", "units", "assign", "write_unit", "write_finals",
            "needs_cast_kernels"]

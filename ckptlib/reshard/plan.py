@@ -44,7 +44,7 @@ class ReshardPlan(Plan):
                        "read_bytes": f.read_bytes, "write_bytes": f.write_bytes, "bytes": f.size} for f in self.files],
             "feeds": {str(k): v for k, v in self.feeds().items()},
             "read_bytes": self.read_bytes, "write_bytes": self.write_bytes, "file_bytes": self.file_bytes,
-            "predicted_peak_bytes": self.predicted_peak_bytes, "notes": list(self.notes),
+            "predicted_peak_bytes": self.predicted_peak_bytes, "sync": self.sync, "notes": list(self.notes),
         }
 
     def describe(self) -> str:
@@ -65,7 +65,7 @@ class ReshardPlan(Plan):
 def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str, os.PathLike], world_size: int, *,
                  tag: Optional[str] = None, overwrite: bool = False,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, workers: Optional[int] = None, tp_rules=None,
-                 hf_files: bool = True) -> ReshardPlan:
+                 hf_files: bool = True, sync: bool = True) -> ReshardPlan:
     """Plan rewriting a ZeRO-1/2/3 checkpoint for ``world_size`` data-parallel ranks (metadata only).
 
     A pipeline or tensor-parallel checkpoint keeps its stages and tensor ranks: each one's ZeRO set is
@@ -82,6 +82,9 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
     config and tokenizer, ``scheduler.bin``, ...) with the RNG states of the ranks that exist at the new
     size, so that ``Trainer.train(resume_from_checkpoint=out)`` or ``accelerator.load_state(out)`` resumes
     from ``out`` as it is; the plan's notes say what was carried and what happens for new ranks.
+
+    ``sync``: put the output on disk before it appears under its name (default); False leaves the
+    writing to the kernel after the run (as DeepSpeed's own saving does; see :class:`~ckptlib.plan.Plan`).
 
     Memory: the plan (object trees whose tensors are range lists, not read yet).
     """
@@ -116,7 +119,7 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
     notes += [note] if note else []
     return ReshardPlan(source=ck.source_ref(), out=Path(out).expanduser().resolve(), world_size=world_size,
                        files=files, finals=[TextFile("latest", tag_name, kind="latest")], folders=[tag_name],
-                       chunk_bytes=chunk_bytes, overwrite=overwrite, notes=notes,
+                       chunk_bytes=chunk_bytes, overwrite=overwrite, sync=sync, notes=notes,
                        workers=workers or default_workers())
 
 

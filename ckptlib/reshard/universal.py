@@ -120,7 +120,7 @@ class UniversalPlan(Plan):
             "files": [{"name": f.name, "kind": f.kind, "source_ranks": f.source_ranks, "read_bytes": f.read_bytes,
                        "write_bytes": f.write_bytes, "bytes": f.size} for f in self.files],
             "read_bytes": self.read_bytes, "write_bytes": self.write_bytes, "file_bytes": self.file_bytes,
-            "predicted_peak_bytes": self.predicted_peak_bytes, "notes": list(self.notes),
+            "predicted_peak_bytes": self.predicted_peak_bytes, "sync": self.sync, "notes": list(self.notes),
         }
 
     def describe(self) -> str:
@@ -288,13 +288,14 @@ def _model_state_files(ck: Checkpoint, utag: str) -> list:
 def plan_universal(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str, os.PathLike], *,
                    tag: Optional[str] = None, overwrite: bool = False,
                    chunk_bytes: int = DEFAULT_CHUNK_BYTES, workers: Optional[int] = None,
-                   tp_rules=None, hf_files: bool = True) -> UniversalPlan:
+                   tp_rules=None, hf_files: bool = True, sync: bool = True) -> UniversalPlan:
     """Plan writing the universal checkpoint of a ZeRO-1/2/3 (or BF16_Optimizer) checkpoint (metadata only).
 
     ``out`` is a new folder that DeepSpeed loads with ``engine.load_checkpoint(out)`` and
     ``"checkpoint": {"load_universal": true}`` at any data-parallel size (see the module docstring for
     the layout and what the loader reads). ``hf_files``: carry over the HF Trainer / Accelerate files
     beside the checkpoint as :func:`~ckptlib.reshard.plan_reshard` does (the RNG states as saved).
+    ``sync``: as for :func:`~ckptlib.reshard.plan_reshard`.
     Memory: the plan (object trees whose tensors are range lists, not read yet).
     """
     ck = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, tag=tag, tp_rules=tp_rules)
@@ -352,7 +353,7 @@ def plan_universal(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[s
                "DeepSpeedPlugin)" if carried else "")]
     return UniversalPlan(source=ck.source_ref(), out=Path(out).expanduser().resolve(), universal_tag=utag,
                          files=files, finals=[TextFile(LATEST_UNIVERSAL, utag, kind="latest")],
-                         folders=[f"{utag}/zero"], chunk_bytes=chunk_bytes, overwrite=overwrite,
+                         folders=[f"{utag}/zero"], chunk_bytes=chunk_bytes, overwrite=overwrite, sync=sync,
                          notes=src.notes + _notes(ck, tied, skipped_frozen) + carried_notes + load,
                          workers=workers or default_workers())
 

@@ -222,7 +222,7 @@ def file_size(obj: Any, path: str | os.PathLike, archive: Optional[str] = None, 
 
 def save(obj: Any, path: str | os.PathLike, archive: Optional[str] = None,
          progress: Callable[[int], None] = lambda n: None, bufs=None, files=None, cancel: Any = None,
-         zip64_limit: int = ZIP64_LIMIT) -> int:
+         zip64_limit: int = ZIP64_LIMIT, unsynced=None) -> int:
     """Write ``obj`` as a torch zip file at ``path``; returns the bytes of tensor data written.
 
     Stored storages (of :class:`StoredTensor` s and tensor handles) are copied whole and once each,
@@ -232,7 +232,8 @@ def save(obj: Any, path: str | os.PathLike, archive: Optional[str] = None,
     storage. Each :class:`NewTensor` gets a storage of its own, written with ``pwrite`` at an offset
     fixed in advance while its CRC-32 is computed chunk by chunk in the read-ahead thread; the zip
     headers are written last. Written bytes go on to disk as the file grows and leave the page cache
-    (:class:`~ckptlib.sinks.WriteBehind`). ``files`` (a :class:`~ckptlib.sources.SourceFiles`) reads the
+    (:class:`~ckptlib.sinks.WriteBehind`; while an ``unsynced`` budget lasts they are left to the
+    kernel). ``files`` (a :class:`~ckptlib.sources.SourceFiles`) reads the
     sources; ``zip64_limit`` is for tests (sizes and offsets from it on get ZIP64 fields).
 
     Memory: the pickle and the streaming buffers ``bufs`` (a :class:`~ckptlib.streaming.ChunkBuffers`,
@@ -243,7 +244,7 @@ def save(obj: Any, path: str | os.PathLike, archive: Optional[str] = None,
     files = files if files is not None else SourceFiles()
     written = 0
     fd = os.open(os.fspath(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    behind = WriteBehind(fd)
+    behind = WriteBehind(fd, unsynced=unsynced)
     try:
         for rec, (_, content) in zip(records, members):
             if isinstance(content, bytes):

@@ -67,6 +67,8 @@ class _Wizard(widgets.VBox):
                                 layout=widgets.Layout(width="80%"))
         self.overwrite = widgets.Checkbox(value=False, description="replace the output folder if it is not empty",
                                           indent=False)
+        self.sync = widgets.Checkbox(value=True, indent=False,
+                                     description="on disk before it appears (safe against a power cut; slower)")
         self.plan_button = widgets.Button(description="Plan", icon="list", button_style="info",
                                           tooltip="compute the plan from metadata (reads no tensor data)")
         self.plan_view = widgets.HTML()
@@ -85,7 +87,7 @@ class _Wizard(widgets.VBox):
         self.summary.add_class("ckpt-summary-box")
 
         options = self._options()
-        for w in options + [self.out, self.overwrite]:
+        for w in options + [self.out, self.overwrite, self.sync]:
             w.observe(self._on_option, names="value")
         self.plan_button.on_click(self._on_plan)
         self.run_button.on_click(self._on_run)
@@ -93,7 +95,8 @@ class _Wizard(widgets.VBox):
         ck = self.checkpoint
         head = widgets.HTML(f"<b>{self.kind}</b> <code>{html.escape(str(ck.location.tag_dir))}</code> "
                             f"(ZeRO-{ck.zero_stage}, {ck.dtype}, {ck.dp_world_size} ranks)")
-        super().__init__([head, self.steps, *options, self.out, self.overwrite, self.plan_button, self.plan_view,
+        super().__init__([head, self.steps, *options, self.out, self.overwrite, self.sync, self.plan_button,
+                          self.plan_view,
                           self.verdict, widgets.HBox([self.run_button, self.cancel_button]),
                           widgets.HBox([self.progress, self.status]), self.monitor, self.verify_view, self.summary,
                           self.errors])
@@ -291,7 +294,8 @@ class ExportWizard(_Wizard):
     def _make_plan(self):
         return ckptlib.plan_export(self.checkpoint, self.out.value, format=self.format.value, dtype=self.dtype.value,
                                    max_shard_size=self.max_shard_size.value.strip(), states=tuple(self.states.value),
-                                   exclude_frozen=self.exclude_frozen.value, overwrite=self.overwrite.value)
+                                   exclude_frozen=self.exclude_frozen.value, overwrite=self.overwrite.value,
+                                   sync=self.sync.value)
 
     def _execute(self, plan, observer, cancel):
         return ckptlib.export(plan, observer=observer, cancel=cancel)
@@ -338,7 +342,7 @@ class ReshardWizard(_Wizard):
 
     def _make_plan(self):
         return ckptlib.plan_reshard(self.checkpoint, self.out.value, self.world_size.value,
-                                    overwrite=self.overwrite.value)
+                                    overwrite=self.overwrite.value, sync=self.sync.value)
 
     def _execute(self, plan, observer, cancel):
         return ckptlib.reshard(plan, observer=observer, cancel=cancel)

@@ -1,0 +1,159 @@
+"""Durability: by default an output is on disk before it appears under its name; ``sync=False``
+(``--no-sync``) leaves the writing to the kernel after the run, with the same bytes and the same atomicity
+against a killed or failing run."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import ckptlib
+import ckptlib.execute.writers as writers
+import ckptlib.sinks as sinks
+from ckptlib.output import AtomicOutputDir
+from ckptlib.execute.writers import kernel_writeback_threshold
+from ckptlib.memory import cgroup_memory
+from ckptlib.sinks import UnsyncedBudget, WriteBehind
+
+
+def files_under(root):
+    return sorted(p.relative_to(root) for p in root.rglob("*") if p.is_file())
+
+
+def assert_same_tree(a, b):
+    names = files_under(a)
+    assert names and names == files_under(b)
+    for n in names:
+        assert (a / n).read_bytes() == (b / n).read_bytes(), n
+
+
+@pytest.fixture
+def fsyncs(monkeypatch):
+    """Every os.fsync made in this process, as the paths of the descriptors synced."""
+    calls, real = [], os.fsync
+
+    def recording(fd):
+        calls.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", recording)
+    return calls
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_atomic_output_syncs_files_and_folders_only_when_asked(tmp_path, fsyncs, sync):
+    out = tmp_path / "out"
+    with AtomicOutputDir(out, sync=sync) as tmp:
+        (tmp / "sub").mkdir()
+        (tmp / "a.bin").write_bytes(b"a" * 1000)
+        (tmp / "sub" / "b.bin").write_bytes(b"b")
+        assert not out.exists()
+    assert (out / "a.bin").read_bytes() == b"a" * 1000 and (out / "sub" / "b.bin").read_bytes() == b"b"
+    if sync:  # both files, both temporary folders, and the parent after the rename
+        assert sum(p.endswith("a.bin") for p in fsyncs) == 1 and sum(p.endswith("b.bin") for p in fsyncs) == 1
+        assert str(tmp_path) in fsyncs and len(fsyncs) == 5
+    else:
+        assert fsyncs == []
+
+
+def test_a_failing_unsynced_run_still_leaves_nothing(tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError):
+        with AtomicOutputDir(out, sync=False) as tmp:
+            (tmp / "a.bin").write_bytes(b"a")
+            raise RuntimeError("boom")
+    assert not out.exists() and os.listdir(tmp_path) == []
+
+
+def test_the_budget_is_spent_once_and_then_refuses():
+    b = UnsyncedBudget(1000)
+    assert b.take(600) and b.left == 400
+    assert not b.take(500) and b.left == 0  # refused, and from then on nothing is left to the kernel
+    assert not b.take(1) and UnsyncedBudget(-5).left == 0
+
+
+@pytest.mark.parametrize("budget,first_started", [(None, 0), (10_000, None), (4_000, 4_000)])
+def test_write_behind_leaves_bytes_to_the_kernel_while_the_budget_lasts(tmp_path, monkeypatch, budget, first_started):
+    calls = []
+    monkeypatch.setattr(sinks, "_sync_file_range", lambda fd, off, n, flags: calls.append((off, n, flags)))
+    monkeypatch.setenv("CKPTLIB_WRITE_BEHIND", "1")
+    data = os.urandom(10_000)
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+    wb = WriteBehind(fd, window=1000, lag=2, unsynced=UnsyncedBudget(budget) if budget is not None else None)
+    for off in range(0, 10_000, 500):
+        os.pwrite(fd, data[off:off + 500], off)
+        wb.wrote(off, 500)
+    wb.close()
+    os.close(fd)
+    assert (tmp_path / "f").read_bytes() == data
+    started = [(o, n) for o, n, f in calls if f == 2]
+    if first_started is None:  # the whole file within the budget: the disk is never waited for
+        assert calls == []
+    else:  # once spent, every later byte is handed to the disk and waited for, as in a synced run
+        assert started == [(o, 1000) for o in range(first_started, 10_000, 1000)]
+        assert sorted((o, n) for o, n, f in calls if f == 7) == started
+
+
+def test_kernel_writeback_threshold_follows_the_vm_settings():
+    fixed = int(open("/proc/sys/vm/dirty_background_bytes").read())
+    ratio = int(open("/proc/sys/vm/dirty_background_ratio").read())
+    room = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemAvailable:"))
+    limit, usage = cgroup_memory()
+    if limit is not None:
+        room = min(room, limit - (usage or 0))
+    want = min(fixed, room) if fixed else room * ratio // 100
+    got = kernel_writeback_threshold()
+    assert got > 0 and abs(got - want) <= want // 10 + 2**20  # available memory moves a little in between
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+def test_unsynced_export_writes_the_same_bytes_and_never_waits_for_the_disk(fixture_by_name, tmp_path, fsyncs, fmt):
+    src = fixture_by_name("large_w2")["checkpoint_path"]
+    ckptlib.run(ckptlib.plan_export(src, tmp_path / "synced", format=fmt, max_shard_size="10MB"))
+    synced_fsyncs = len(fsyncs)
+    assert synced_fsyncs >= len(files_under(tmp_path / "synced")) + 2
+    del fsyncs[:]
+    plan = ckptlib.plan_export(src, tmp_path / "unsynced", format=fmt, max_shard_size="10MB", sync=False)
+    assert plan.to_dict()["sync"] is False and "not synced" in plan.describe()
+    assert ckptlib.plan_export(src, tmp_path / "x").to_dict()["sync"] is True
+    ckptlib.run(plan)
+    assert fsyncs == []
+    assert_same_tree(tmp_path / "synced", tmp_path / "unsynced")
+
+
+def test_unsynced_output_beyond_the_budget_goes_write_behind(fixture_by_name, tmp_path, monkeypatch):
+    """A budget smaller than the output: the rest is handed to the disk as it is written."""
+    calls = []
+    real = sinks._sync_file_range
+    monkeypatch.setenv("CKPTLIB_WRITE_BEHIND", "1")
+    monkeypatch.setattr(sinks, "_sync_file_range", lambda fd, off, n, flags: calls.append(n) or real(fd, off, n, flags))
+    monkeypatch.setattr(writers, "kernel_writeback_threshold", lambda: 2**20)
+    src = fixture_by_name("large_w2")["checkpoint_path"]
+    ckptlib.run(ckptlib.plan_export(src, tmp_path / "a", sync=False))
+    assert calls and sum(n for n in calls) > 0
+    ckptlib.run(ckptlib.plan_export(src, tmp_path / "b"))
+    assert_same_tree(tmp_path / "a", tmp_path / "b")
+
+
+@pytest.mark.parametrize("universal", [False, True])
+def test_unsynced_reshard_from_the_command_line_writes_the_same_bytes(fixture_by_name, tmp_path, universal):
+    src = fixture_by_name("z2_bf16_w4")["checkpoint_path"]
+    target = ["--universal"] if universal else ["--world-size", "3"]
+    outs = {}
+    for label, extra in (("synced", []), ("unsynced", ["--no-sync"])):
+        outs[label] = tmp_path / label
+        r = subprocess.run([sys.executable, "-m", "ckptlib", "reshard", str(src), str(outs[label]), *target, "-q",
+                            *extra], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+    assert_same_tree(outs["synced"], outs["unsynced"])
+    r = subprocess.run([sys.executable, "-m", "ckptlib", "reshard", str(src), str(tmp_path / "p"), *target, "--plan",
+                        "--json", "--no-sync"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and json.loads(r.stdout)["sync"] is False and not (tmp_path / "p").exists()
+
+
+def test_unsynced_export_in_worker_processes(fixture_by_name, tmp_path):
+    src = fixture_by_name("large_w2")["checkpoint_path"]
+    ckptlib.run(ckptlib.plan_export(src, tmp_path / "one", max_shard_size="10MB"))
+    ckptlib.run(ckptlib.plan_export(src, tmp_path / "two", max_shard_size="10MB", workers=2, sync=False))
+    assert_same_tree(tmp_path / "one", tmp_path / "two")
