@@ -8,7 +8,7 @@ that round's export, each after dropping the page cache (when allowed) and each 
 sampled from /proc every 5 ms (bench/procmon.py): wall time, peak RssAnon and RssFile, bytes read from
 storage. The read rate after start-up is what the block layer fetched over the wall time, both less
 those of a process that only imports what the command imports, then exits (run before it, after a cache
-drop too: `ckpt export` needs no torch, check and diff import torch and numpy). Check and diff must exit 0 (a healthy checkpoint, an
+drop too: none of them imports torch; check and diff import numpy). Check and diff must exit 0 (a healthy checkpoint, an
 exact export). Prints a markdown table; ratios are against `ckpt export` (see docs/benchmarks.md).
 """
 from __future__ import annotations
@@ -27,13 +27,13 @@ PY = sys.executable
 MIB = 2**20
 TOOLS = ("export", "check", "check-states", "diff")
 BASELINES = {"export": "import ckptlib.cli, ckptlib.export, numpy",  # what `ckpt export -q` imports (no torch)
-             "torch": "import ckptlib.cli, ckptlib.health, ckptlib.tensordiff, ckptlib.scan, tqdm, numpy, torch"}
+             "checkdiff": "import ckptlib.cli, ckptlib.health, ckptlib.tensordiff, ckptlib.scan, tqdm, numpy"}
 LABELS = {"export": "ckpt export CKPT OUT", "check": "ckpt check CKPT", "check-states": "ckpt check CKPT --states",
           "diff": "ckpt diff CKPT OUT"}
 
 
 def command(tool: str, ckpt: Path, out: Path) -> list[str]:
-    base = [PY, "-m", "ckptlib"]
+    base = [PY, "-P", "-m", "ckptlib"]  # -P: the installed ckptlib, not the working folder first on sys.path
     if tool == "export":
         return base + ["export", str(ckpt), str(out), "-q"]
     if tool == "check":
@@ -64,7 +64,7 @@ def main() -> int:
             shutil.rmtree(out, ignore_errors=True)
             for tool in TOOLS:
                 drop_caches()
-                bases[tool].append(run([PY, "-c", BASELINES["export" if tool == "export" else "torch"]]))
+                bases[tool].append(run([PY, "-c", BASELINES["export" if tool == "export" else "checkdiff"]]))
                 drop_caches()
                 st = run(command(tool, ckpt, out))
                 if st.returncode != 0:
@@ -97,9 +97,9 @@ def main() -> int:
     print()
     for name, med, base, last in rows:
         print(f"- {name}: import baselines (median) {base['export']['wall']:.2f} s, "
-              f"{base['export']['peak_anon'] / MIB:.0f} MiB, {base['export']['read_bytes'] / MIB:.0f} MiB read without "
-              f"torch; {base['check']['wall']:.2f} s, {base['check']['peak_anon'] / MIB:.0f} MiB, "
-              f"{base['check']['read_bytes'] / MIB:.0f} MiB read with torch")
+              f"{base['export']['peak_anon'] / MIB:.0f} MiB, {base['export']['read_bytes'] / MIB:.0f} MiB read for "
+              f"export; {base['check']['wall']:.2f} s, {base['check']['peak_anon'] / MIB:.0f} MiB, "
+              f"{base['check']['read_bytes'] / MIB:.0f} MiB read for check and diff")
         for tool, line in last.items():
             print(f"- {name}, `{LABELS[tool]}`: {line}")
     if args.json:

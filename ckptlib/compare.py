@@ -8,8 +8,13 @@
   fp32, integer and bool ones exactly; what ``ckpt diff`` reports). Windows whose bytes are identical
   are passed over without arithmetic.
 
+Windows are numpy arrays (bfloat16, which numpy lacks, as its 16-bit patterns: :func:`np_type`); casts
+between dtypes are torch's, bit for bit (:func:`cast_values`, through :mod:`ckptlib.casting`). Neither
+torch nor a thread pool of its is involved: numpy's loops here are single-threaded.
+
 Memory: a reader holds two buffers of ``slot_bytes``; a comparer two readers and four work buffers, all
-of ``chunk_bytes / 4`` (2 ``chunk_bytes`` in all), whatever the tensor sizes.
+of ``chunk_bytes / 4`` (2 ``chunk_bytes`` in all), whatever the tensor sizes; a cast between 16-bit
+dtypes and float64 adds one fixed block of :data:`ckptlib.casting.BLOCK` float32.
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-from .dtypes import is_floating, itemsize, torch_dtype
+from .dtypes import is_floating, itemsize
 from .progress import check_cancel
 from .ranges import StoredRange, Zeros, numel
 from .sources import SourceFiles
@@ -64,10 +69,50 @@ class RangeIndex:
                 for i in range(0, r.count, step)]
 
 
-def _bytes(t) -> memoryview:
-    import torch
+#: how numpy holds each dtype's elements: bfloat16, which numpy lacks, as its 16-bit patterns
+NP_TYPES = {"float32": "<f4", "float64": "<f8", "float16": "<f2", "bfloat16": "<u2", "int64": "<i8", "int32": "<i4",
+            "int16": "<i2", "int8": "i1", "uint8": "u1", "bool": "?"}
 
-    return memoryview(t.view(torch.uint8).numpy())
+
+def np_type(dtype: str):
+    """The numpy dtype holding ``dtype``'s elements (:data:`NP_TYPES`)."""
+    import numpy as np
+
+    try:
+        return np.dtype(NP_TYPES[dtype])
+    except KeyError:
+        raise ValueError(f"ckptlib cannot compare {dtype} values") from None
+
+
+def cast_values(src, src_dtype: str, out, dtype: str) -> None:
+    """Write numpy array ``src`` (of ``src_dtype``) into ``out`` (as long, of ``dtype``) as torch's CPU cast
+    writes it: between float32, bfloat16 and float16 (and the same dtype) by :mod:`ckptlib.casting`, a 16-bit
+    float to or from float64 through float32 (exact both ways into float64), anything else as numpy casts
+    (widening floats and integers exactly, float64 to float32 rounding to nearest even, as torch).
+    Memory: one block of float32 for the 16-bit and float64 pairs; else none."""
+    import numpy as np
+
+    from .casting import BLOCK, can_cast, cast
+
+    if can_cast(src_dtype, dtype):
+        cast(src, src_dtype, out, dtype)
+        return
+    half = ("bfloat16", "float16")
+    if src_dtype in half or dtype in half:
+        if "float64" not in (src_dtype, dtype):
+            raise ValueError(f"no cast from {src_dtype} to {dtype} here")
+        block = np.empty(min(BLOCK, src.size), np.float32)
+        for a in range(0, src.size, BLOCK):
+            b = min(a + BLOCK, src.size)
+            f = block[:b - a]
+            if src_dtype in half:  # 16-bit -> float32 (exact) -> float64 (exact)
+                cast(src[a:b], src_dtype, f, "float32")
+                np.copyto(out[a:b], f)
+            else:  # float64 -> float32 (rounded as torch) -> 16-bit (rounded again, as torch does)
+                np.copyto(f, src[a:b], casting="unsafe")
+                cast(f, "float32", out[a:b], dtype)
+        return
+    np.copyto(out, src, casting="unsafe")
 
 
 class WindowReader:
@@ -78,35 +123,35 @@ class WindowReader:
     """
 
     def __init__(self, files: SourceFiles, slot_bytes: int, drop_cache: bool = True):
-        import torch
+        import numpy as np
 
         self.files, self.slot_bytes, self.drop_cache = files, max(16, slot_bytes), drop_cache
-        self._slots = [torch.empty(self.slot_bytes, dtype=torch.uint8) for _ in range(2)]
+        self._slots = [np.empty(self.slot_bytes, np.uint8) for _ in range(2)]  # pages touched when used
         self._pool: Optional[ThreadPoolExecutor] = None
 
     def _fill(self, pieces: list, dtype: str, slot: int):
-        import torch
+        import numpy as np
 
-        out = self._slots[slot][:numel(pieces) * itemsize(dtype)].view(torch_dtype(dtype))
+        out = self._slots[slot][:numel(pieces) * itemsize(dtype)].view(np_type(dtype))
         pos = 0
         for r in pieces:
             dst = out[pos:pos + r.count]
             if isinstance(r, Zeros):
-                dst.zero_()
+                dst.fill(0)
             elif r.dtype == dtype:
-                self.files.read_into(r.path, r.offset, _bytes(dst))
+                self.files.read_into(r.path, r.offset, memoryview(dst.view(np.uint8)))
             else:
-                tmp = torch.empty(r.count, dtype=torch_dtype(r.dtype))
-                self.files.read_into(r.path, r.offset, _bytes(tmp))
-                dst.copy_(tmp)
+                tmp = np.empty(r.count, np_type(r.dtype))
+                self.files.read_into(r.path, r.offset, memoryview(tmp.view(np.uint8)))
+                cast_values(tmp, r.dtype, dst, dtype)
             if self.drop_cache and isinstance(r, StoredRange):
                 self.files.drop_cache(r.path, r.offset, r.nbytes)
             pos += r.count
         return out
 
     def windows(self, index: RangeIndex, dtype: str, spans: Sequence[tuple[int, int]]) -> Iterator[tuple[int, Any]]:
-        """``(start, values)`` for each span: a 1-D tensor of ``dtype`` that stays valid until the next one is
-        asked for. Each span must fit a slot (``count * itemsize(dtype) <= slot_bytes``)."""
+        """``(start, values)`` for each span: a 1-D numpy array of ``dtype`` (:func:`np_type`) that stays valid
+        until the next one is asked for. Each span must fit a slot (``count * itemsize(dtype) <= slot_bytes``)."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptlib-window")
         ahead: dict[int, Any] = {}
@@ -136,32 +181,14 @@ class WindowReader:
             self._pool = None
 
 
-SERIAL = 1 << 15  # torch's grain size: copies of at most this many elements stay on the calling thread
-
-
-def serial_copy(dst, src) -> None:
-    """``dst.copy_(src)`` (a cast) on the calling thread, in slices below torch's parallel grain size: on
-    a few shared cores torch's thread pool makes one large cast several times slower than this."""
-    n = src.numel()
-    for i in range(0, n, SERIAL):
-        dst[i:i + SERIAL].copy_(src[i:i + SERIAL])
-
-
-def as_numpy(t):
-    """A numpy view of a CPU tensor (bfloat16, which numpy lacks, as its 16-bit integers)."""
-    import torch
-
-    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
-
-
 def same_bytes(x, y) -> bool:
-    """Whether two tensors hold the same bytes (compared as the widest integers that divide their size;
-    numpy, single-threaded: several times faster than torch.equal here)."""
+    """Whether two windows (numpy arrays) hold the same bytes, compared as the widest integers that divide
+    their size (single-threaded: several times faster than torch.equal here)."""
     import numpy as np
 
-    if x.dtype != y.dtype or x.numel() != y.numel():
+    if x.dtype != y.dtype or x.size != y.size:
         return False
-    a, b = as_numpy(x).view(np.uint8), as_numpy(y).view(np.uint8)
+    a, b = x.view(np.uint8), y.view(np.uint8)
     wide = next(t for t, s in ((np.int64, 8), (np.int32, 4), (np.int16, 2), (np.uint8, 1)) if a.size % s == 0)
     return bool(np.array_equal(a.view(wide), b.view(wide)))
 
@@ -196,13 +223,13 @@ class Comparer:
 
     def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES, progress: Callable[[int], None] = lambda n: None,
                  cancel: Any = None, files: Optional[SourceFiles] = None):
-        import torch
+        import numpy as np
 
         self.own_files = files is None
         self.files = files or SourceFiles()
         self.slot_bytes = max(64, chunk_bytes // 32 * 8)  # a multiple of 8: float64 work views
         self.readers = (WindowReader(self.files, self.slot_bytes), WindowReader(self.files, self.slot_bytes))
-        self.work = [torch.empty(self.slot_bytes, dtype=torch.uint8) for _ in range(4)]  # pages touched when used
+        self.work = [np.empty(self.slot_bytes, np.uint8) for _ in range(4)]  # pages touched when used
         self.progress, self.cancel = progress, cancel
         self.compared = 0
 
@@ -225,21 +252,22 @@ class Comparer:
         if numel(a) != numel(b):
             return False
         size = itemsize(dtype)
-        for _, x, y in self._pairs(a, b, (stored_dtype(a, dtype), stored_dtype(b, dtype))):
-            k = x.numel()
-            x, y = self._as(x, dtype, 0), self._as(y, dtype, 1)
+        dtypes = (stored_dtype(a, dtype), stored_dtype(b, dtype))
+        for _, x, y in self._pairs(a, b, dtypes):
+            k = x.size
+            x, y = self._as(x, dtypes[0], dtype, 0), self._as(y, dtypes[1], dtype, 1)
             self.compared += 2 * k * size
             self.progress(k * size)
             if not same_bytes(x, y):
                 return False
         return True
 
-    def _as(self, t, dtype: str, slot: int):
-        """``t`` as ``dtype`` (itself, or cast into work buffer ``slot``)."""
-        if t.dtype == torch_dtype(dtype):
+    def _as(self, t, t_dtype: str, dtype: str, slot: int):
+        """Window ``t`` (of ``t_dtype``) as ``dtype``: itself, or cast into work buffer ``slot``."""
+        if t_dtype == dtype:
             return t
-        out = self.work[slot][:t.numel() * itemsize(dtype)].view(torch_dtype(dtype))
-        serial_copy(out, t)
+        out = self.work[slot][:t.size * itemsize(dtype)].view(np_type(dtype))
+        cast_values(t, t_dtype, out, dtype)
         return out
 
     def difference(self, a: Sequence, b: Sequence, atol: float = 0.0, rtol: float = 0.0) -> PairDiff:
@@ -248,7 +276,6 @@ class Comparer:
         when both sides are; an element is changed when ``|a - b| > atol + rtol * |b|`` (torch.isclose's
         rule). The sums of squares are accumulated in float64."""
         import numpy as np
-        import torch
 
         if numel(a) != numel(b):
             raise ValueError(f"{numel(a)} and {numel(b)} elements cannot be compared")
@@ -257,54 +284,51 @@ class Comparer:
         out = PairDiff(numel=numel(a))
         identical = []  # windows passed over: their ||a||^2 is only needed if another window differs
         for s, x, y in self._pairs(a, b, (da, db)):
-            k = x.numel()
-            self.compared += k * (x.element_size() + y.element_size())
-            self.progress(k * x.element_size())
+            k = x.size
+            self.compared += k * (x.itemsize + y.itemsize)
+            self.progress(k * x.itemsize)
             if same_bytes(x, y):
                 identical.append((s, k))
             elif exact:
                 self._exact(out, x, y)
             else:
-                self._floating(out, self._fp32(x, 1), self._fp32(y, 2), atol, rtol)
+                self._floating(out, self._fp32(x, da, 1), self._fp32(y, db, 2), atol, rtol)
         if out.changed or out.sumsq_diff:
-            index, dtype = RangeIndex(a), stored_dtype(a)
-            w = self.work[0].view(torch.float64).numpy()
+            index = RangeIndex(a)
+            w = self.work[0].view(np.float64)
             for s, k in identical:  # ||a|| over the windows passed over
-                x = self._fp32(self.readers[0].read(index, dtype, s, k), 1)
+                x = self._fp32(self.readers[0].read(index, da, s, k), da, 1)
                 np.copyto(w[:k], x)
                 np.nan_to_num(w[:k], copy=False, nan=0.0, posinf=0.0, neginf=0.0)
                 out.sumsq_a += float(np.einsum("i,i->", w[:k], w[:k]))
         return out
 
-    def _fp32(self, t, slot: int):
-        """``t`` as fp32 (a numpy array): itself, or cast into work buffer ``slot``."""
+    def _fp32(self, t, t_dtype: str, slot: int):
+        """Window ``t`` (of ``t_dtype``) as fp32: itself, or cast into work buffer ``slot``."""
         import numpy as np
-        import torch
 
-        if t.dtype == torch.float32:
-            return t.numpy()
-        out = self.work[slot][:t.numel() * 4].view(torch.float32)
-        if t.dtype == torch.bfloat16:
-            serial_copy(out, t)
+        if t_dtype == "float32":
+            return t
+        out = self.work[slot][:t.size * 4].view(np.float32)
+        if t_dtype == "bfloat16":
+            cast_values(t, t_dtype, out, "float32")
         else:
-            np.copyto(out.numpy(), t.numpy(), casting="unsafe")
-        return out.numpy()
+            np.copyto(out, t, casting="unsafe")
+        return out
 
     def _sumsq(self, a) -> float:
         """The float64 sum of squares of numpy array ``a`` (through work buffer 0)."""
         import numpy as np
-        import torch
 
-        w = self.work[0][:a.size * 8].view(torch.float64).numpy()
+        w = self.work[0][:a.size * 8].view(np.float64)
         np.copyto(w, a)
         return float(np.einsum("i,i->", w, w))  # single-threaded: no BLAS thread pool
 
     def _floating(self, out: PairDiff, a, b, atol: float, rtol: float) -> None:
         """Add one window of fp32 values (numpy arrays; they may be overwritten) to ``out``."""
         import numpy as np
-        import torch
 
-        d = self.work[3][:a.size * 4].view(torch.float32).numpy()
+        d = self.work[3][:a.size * 4].view(np.float32)
         np.subtract(a, b, out=d)  # in fp32, as torch computes a - b
         sa, sd = self._sumsq(a), self._sumsq(d)
         if not (math.isfinite(sa) and math.isfinite(sd)):  # NaN or Inf on a side (or an fp32 overflow)
@@ -322,7 +346,7 @@ class Comparer:
         if atol == 0 and rtol == 0:
             out.changed += int(np.count_nonzero(d != 0))
         else:
-            bound = self.work[2][:b.size * 4].view(torch.float32).numpy()
+            bound = self.work[2][:b.size * 4].view(np.float32)
             np.abs(b, out=bound)
             bound *= rtol
             bound += atol
@@ -332,14 +356,14 @@ class Comparer:
     @staticmethod
     def _exact(out: PairDiff, x, y) -> None:
         """Add one window of integer or bool values to ``out`` (compared exactly, as int64)."""
-        import torch
+        import numpy as np
 
-        d = x.to(torch.int64) - y.to(torch.int64)
-        out.changed += int(torch.count_nonzero(d))
-        dd, xa = d.double(), x.double()
-        out.max_abs_diff = max(out.max_abs_diff, float(dd.abs().max()))
-        out.sumsq_diff += float(torch.dot(dd, dd))
-        out.sumsq_a += float(torch.dot(xa, xa))
+        d = x.astype(np.int64) - y.astype(np.int64)
+        out.changed += int(np.count_nonzero(d))
+        dd, xa = d.astype(np.float64), x.astype(np.float64)
+        out.max_abs_diff = max(out.max_abs_diff, float(np.abs(dd).max()))
+        out.sumsq_diff += float(np.einsum("i,i->", dd, dd))
+        out.sumsq_a += float(np.einsum("i,i->", xa, xa))
 
     def close(self) -> None:
         for r in self.readers:
@@ -348,4 +372,5 @@ class Comparer:
             self.files.close()
 
 
-__all__ = ["stored_dtype", "RangeIndex", "WindowReader", "serial_copy", "as_numpy", "same_bytes", "PairDiff", "Comparer"]
+__all__ = ["stored_dtype", "RangeIndex", "NP_TYPES", "np_type", "cast_values", "WindowReader", "same_bytes", "PairDiff",
+           "Comparer"]

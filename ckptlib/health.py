@@ -28,9 +28,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional, Union
 
-from .compare import RangeIndex, WindowReader, as_numpy, same_bytes, serial_copy, stored_dtype
+from .compare import RangeIndex, WindowReader, cast_values, np_type, same_bytes, stored_dtype
 from .deepspeed import Checkpoint, open_checkpoint
-from .dtypes import itemsize, torch_dtype
+from .dtypes import decode_scalar, itemsize
 from .healthrules import StatsItem, StepItem, file_labels, layout_problems, stats_items, step_items
 from .memory import MemoryReport, watch_memory
 from .plan import SourceRef
@@ -38,7 +38,7 @@ from .progress import Observer, check_cancel
 from .ranges import stored_bytes
 from .scan import Problem, json_ready, num, progress_to, scan_peak_bytes
 from .sources import SourceFiles, check_unchanged
-from .streaming import DEFAULT_CHUNK_BYTES
+from .streaming import DEFAULT_CHUNK_BYTES, load_cast_kernels
 from .tensorstats import RunningStats, TensorStats
 from .units import human_bytes
 
@@ -186,15 +186,15 @@ class _Scanner:
     bytes per window element, with ``chunk_bytes / 9`` elements per window (under ``3 * chunk_bytes``)."""
 
     def __init__(self, plan: CheckPlan, files: SourceFiles, progress, cancel):
-        import torch
+        import numpy as np
 
         self.plan, self.progress, self.cancel = plan, progress, cancel
         self.step = max(1, plan.chunk_bytes // 9)  # elements per window
-        self.work = torch.empty(self.step * 8, dtype=torch.uint8).view(torch.float64)
+        self.work = np.empty(self.step, np.float64)  # pages touched when used
         self.master = WindowReader(files, self.step * 4)
         second = any(i.lowp or i.replicas for i in plan.items)
         self.second = WindowReader(files, self.step * 4) if second else None  # saved weights, replicas
-        self.cast = torch.empty(self.step * 2, dtype=torch.uint8) if second else None
+        self.cast = np.empty(self.step * 2, np.uint8) if second else None
 
     def label(self, path: str) -> str:
         return self.plan.labels.get(path, path)
@@ -211,17 +211,17 @@ class _Scanner:
             for s, x in windows:
                 check_cancel(self.cancel)
                 path = getattr(index.slice(s, 1)[0], "path", "")  # zeros (padding) hold no NaN
-                nan, inf, neg = stats.add(x, self.work, count_negative=item.state == "exp_avg_sq")
+                nan, inf, neg = stats.add(x, self.work, count_negative=item.state == "exp_avg_sq", dtype=dtype)
                 if nan or inf or neg:
                     t = tally.setdefault(path, [0, 0, 0])
                     t[0], t[1], t[2] = t[0] + nan, t[1] + inf, t[2] + neg
                 if lowp is not None:
                     _, y = next(lowp)
-                    bad = self._mismatches(x, y)
+                    bad = self._mismatches(x, dtype, y, item.lowp_dtype)
                     if bad:
                         where = getattr(lowp_index.slice(s, 1)[0], "path", "")
                         mismatched[where] = mismatched.get(where, 0) + bad
-                self.progress(x.numel() * x.element_size() + (x.numel() * itemsize(item.lowp_dtype) if lowp else 0))
+                self.progress(x.size * x.itemsize + (x.size * itemsize(item.lowp_dtype) if lowp else 0))
         finally:
             windows.close()
             if lowp is not None:
@@ -260,14 +260,13 @@ class _Scanner:
         try:
             for (s, x), (_, y) in zip(wa, wb):
                 check_cancel(self.cancel)
-                self.progress(2 * x.numel() * x.element_size())
+                self.progress(2 * x.size * x.itemsize)
                 if same_bytes(x, y):
                     continue
                 path = getattr(b.slice(s, 1)[0], "path", "")
-                differ[path] = differ.get(path, 0) + self._mismatches(x, y)
-                w = self.work[:y.numel()]
-                serial_copy(w, y)
-                v = w.numpy()
+                differ[path] = differ.get(path, 0) + self._mismatches(x, dtype, y, dtype)
+                v = self.work[:y.size]
+                cast_values(y, dtype, v, "float64")
                 nan, inf = int(np.count_nonzero(np.isnan(v))), int(np.count_nonzero(np.isinf(v)))
                 if nan or inf:
                     t = bad.setdefault(path, [0, 0])
@@ -281,18 +280,19 @@ class _Scanner:
                         f"{b.numel:,} elements: those ranks hold different values") for p, n in differ.items()]
         return out
 
-    def _mismatches(self, x, y) -> int:
-        """Elements of master window ``x`` that, cast to the saved weight's dtype, differ from ``y``."""
+    def _mismatches(self, x, x_dtype: str, y, y_dtype: str) -> int:
+        """Elements of master window ``x`` that, cast to the saved weight's dtype as torch casts, differ
+        (bit for bit) from ``y``."""
         import numpy as np
 
-        if x.dtype != y.dtype:
-            cast = self.cast[:x.numel() * y.element_size()].view(y.dtype)
-            serial_copy(cast, x)
+        if x_dtype != y_dtype:
+            cast = self.cast[:x.size * y.itemsize].view(np_type(y_dtype))
+            cast_values(x, x_dtype, cast, y_dtype)
             x = cast
         if same_bytes(x, y):
             return 0
-        bits = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[y.element_size()]
-        return int(np.count_nonzero(as_numpy(x).view(bits) != as_numpy(y).view(bits)))
+        bits = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[y.itemsize]
+        return int(np.count_nonzero(x.view(bits) != y.view(bits)))
 
     def close(self) -> None:
         self.master.close()
@@ -311,15 +311,13 @@ def joint_spans(a: RangeIndex, b: Optional[RangeIndex], step: int) -> list[tuple
 
 def read_steps(steps: list[StepItem], files: SourceFiles) -> dict:
     """``{(mp rank, dp rank, group): step}`` read from the files."""
-    import torch
-
     out = {}
     for s in steps:
         if s.ranges:
             r = s.ranges[0]
-            t = torch.empty(1, dtype=torch_dtype(r.dtype))
-            files.read_into(r.path, r.offset, memoryview(t.view(torch.uint8).numpy()))
-            out[s.key] = float(t[0])
+            raw = bytearray(itemsize(r.dtype))
+            files.read_into(r.path, r.offset, memoryview(raw))
+            out[s.key] = float(decode_scalar(raw, r.dtype))
         else:
             out[s.key] = s.value
     return out
@@ -355,8 +353,9 @@ def check(checkpoint: Union[CheckPlan, Checkpoint, str, os.PathLike], *, observe
     Memory: ``plan.predicted_peak_bytes``. The checkpoint is only read; it must not change meanwhile.
     """
     plan = checkpoint if isinstance(checkpoint, CheckPlan) else plan_check(checkpoint, **options)
-    import numpy  # noqa: F401 - imported before the clock and the memory watch start: a first import
-    import torch  # noqa: F401   (about 140 MiB, once per process) is not the run's memory or time
+    load_cast_kernels()  # numpy, loaded (or refused for want of memory) before the clock and the memory watch
+    # start: a first import (about 40 MiB of OpenBLAS buffers with one thread, once per process) is not the run's
+    # memory or time
 
     observer = observer or Observer()
     t0 = time.perf_counter()

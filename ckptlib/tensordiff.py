@@ -28,7 +28,7 @@ from .progress import Observer
 from .ranges import stored_bytes
 from .scan import json_ready, num, progress_to, scan_peak_bytes
 from .sources import SourceFiles, check_unchanged
-from .streaming import DEFAULT_CHUNK_BYTES
+from .streaming import DEFAULT_CHUNK_BYTES, load_cast_kernels
 from .tensorsets import NamedTensor, TensorSet, open_tensor_set
 from .units import human_bytes
 
@@ -261,8 +261,9 @@ def diff(a: Union[DiffPlan, TensorSet, str, os.PathLike, Any], b: Union[TensorSe
         raise CkptError("diff needs two sides: diff(a, b) or diff(plan_diff(a, b))")
     else:
         plan = plan_diff(a, b, **options)
-    import numpy  # noqa: F401 - imported before the clock and the memory watch start: a first import
-    import torch  # noqa: F401   (about 140 MiB, once per process) is not the run's memory or time
+    load_cast_kernels()  # numpy, loaded (or refused for want of memory) before the clock and the memory watch
+    # start: a first import (about 40 MiB of OpenBLAS buffers with one thread, once per process) is not the run's
+    # memory or time
 
     observer = observer or Observer()
     t0 = time.perf_counter()

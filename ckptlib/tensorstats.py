@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .compare import serial_copy
+from .compare import cast_values
 
 CANCELLATION = 1e-6  # below this share of the sum of squares, a window's deviations are summed directly
 
@@ -59,25 +59,25 @@ class RunningStats:
         self.mean = self.m2 = self.sumsq = 0.0
         self.min, self.max = math.inf, -math.inf
 
-    def add(self, x, work, count_negative: bool = False) -> tuple[int, int, int]:
-        """Take window ``x`` (a 1-D floating torch tensor); ``work`` is a float64 torch buffer of at least
-        its length, overwritten. Returns this window's ``(nan, inf, below zero)`` counts.
+    def add(self, x, work, count_negative: bool = False, dtype: Optional[str] = None) -> tuple[int, int, int]:
+        """Take window ``x`` (a 1-D floating numpy array; a bfloat16 one as its 16-bit patterns, with
+        ``dtype="bfloat16"``); ``work`` is a float64 numpy buffer of at least its length, overwritten.
+        Returns this window's ``(nan, inf, below zero)`` counts.
 
         The arithmetic is numpy's (single-threaded, vectorised): a NaN or Inf shows in min or max, so a
         window without any costs a copy to float64, min, max, a zero count, a sum and a dot product."""
         import numpy as np
-        import torch
 
-        k = x.numel()
+        k = x.size
         if not k:
             return 0, 0, 0
         self.total += k
-        w = work[:k].numpy()
-        if x.dtype == torch.bfloat16:  # numpy has no bfloat16
-            serial_copy(work[:k], x)
+        w = work[:k]
+        if dtype == "bfloat16":  # numpy has no bfloat16: widened exactly, through float32
+            cast_values(x, dtype, w, "float64")
             raw = w
         else:
-            raw = x.numpy()
+            raw = x
             np.copyto(w, raw)
         lo, hi = float(raw.min()), float(raw.max())  # NaN if there is one
         self.zeros += int(np.count_nonzero(raw == 0))

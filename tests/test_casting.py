@@ -235,3 +235,33 @@ def test_the_module_does_not_import_torch():
     top = [a.name for n in dtypes.body if isinstance(n, ast.Import) for a in n.names]
     top += [n.module or "" for n in dtypes.body if isinstance(n, ast.ImportFrom)]
     assert not [n for n in top if n.split(".")[0] == "torch"], top
+
+
+# ------------------------------------------------------------------ the casts of check, diff and verify
+@pytest.mark.parametrize("src,dst", [("float64", "bfloat16"), ("float64", "float16"), ("bfloat16", "float64"),
+                                     ("float16", "float64"), ("float32", "float64"), ("float64", "float32"),
+                                     ("float32", "bfloat16"), ("bfloat16", "float32"), ("int32", "int64"),
+                                     ("bool", "int64"), ("uint8", "float32"), ("int64", "float32")])
+def test_cast_values_writes_what_torch_writes(src, dst):
+    """ckptlib.compare.cast_values (numpy windows; what check, diff and verify cast with) against torch's
+    ``.to()``, byte for byte, on values with edge cases, across more than one float32 block."""
+    from ckptlib.compare import cast_values, np_type
+
+    g = torch.Generator().manual_seed(3)
+    n = casting.BLOCK + 4321
+    if src in ("float64", "float32", "bfloat16", "float16"):
+        x = (torch.randn(n, generator=g, dtype=torch.float64) * 10.0 ** torch.randint(-8, 8, (n,), generator=g))
+        x[:12] = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 65504.0, 65520.0, 1e-8, -1e-40,
+                               3.0e38, 1.0 + 2 ** -9, 1.0 + 2 ** -8 + 2 ** -30], dtype=torch.float64)
+        x = x.to(getattr(torch, src))
+    elif src == "bool":
+        x = torch.randint(0, 2, (n,), generator=g).bool()
+    else:
+        x = torch.randint(-2 ** 31 if src != "uint8" else 0, 2 ** 31 if src != "uint8" else 256, (n,), generator=g,
+                          dtype=torch.int64).to(getattr(torch, src))
+    want = x.to(getattr(torch, dst))
+    src_np = x.view(torch.int16).numpy().view(np_type(src)) if src == "bfloat16" else x.numpy()
+    out = np.empty(n, np_type(dst))
+    cast_values(src_np, src, out, dst)
+    want_bits = want.view(torch.int16).numpy() if dst == "bfloat16" else want.numpy()
+    assert out.tobytes() == want_bits.tobytes(), (src, dst)

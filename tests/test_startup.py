@@ -201,3 +201,19 @@ def test_api_functions_keep_their_names_beside_submodules_of_the_same_name():
             "else:\n    raise SystemExit('no AttributeError')\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_check_diff_and_verification_import_no_torch(fixture_by_name, tmp_path):
+    """``ckpt check`` (statistics, saved 16-bit weights, steps), ``ckpt diff`` and ``--verify`` stream through
+    numpy windows: no torch either, on fp16 and bf16 checkpoints, for exports in both formats and reshards."""
+    commands = []
+    for name in ("z2_fp16_w2", "z3_bf16_w3"):
+        src, out = fixture_by_name(name)["checkpoint_path"], tmp_path / name
+        commands += [["check", src], ["check", src, "--states", "--json"],
+                     ["export", src, out / "st", "-q", "--verify"],
+                     ["export", src, out / "half", "-q", "--dtype", "bf16", "--verify"],
+                     ["export", src, out / "pt", "-q", "--format", "torch", "--verify"],
+                     ["reshard", src, out / "rs", "--world-size", "3", "-q", "--verify"],
+                     ["diff", src, out / "st"], ["diff", out / "st", out / "pt"], ["diff", src, out / "rs"],
+                     ["diff", out / "st", out / "half", "--rtol", "0.01", "--json"]]  # fp32 vs bf16: within 1%
+    run_cli_without_torch(commands)
