@@ -75,3 +75,36 @@ def test_the_export_succeeds_with_a_256_mib_data_segment(fixture_by_name, tmp_pa
     assert written == sorted(p.name for p in (tmp_path / "free").iterdir()) and "model.safetensors" in written
     for name in written:
         assert (tmp_path / "capped" / name).read_bytes() == (tmp_path / "free" / name).read_bytes(), name
+
+
+def bare_data_segment() -> int:
+    """VmData of a fresh interpreter that has imported nothing of its own (Python's own floor)."""
+    code = "print(next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmData:')))"
+    return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+
+
+@pytest.mark.parametrize("command", ["python -m ckptlib", "ckpt"])
+def test_too_little_memory_to_even_load_ckptlib_is_one_message_too(tmp_path, command):
+    """From a little over a bare interpreter's data segment (below it Python itself cannot start: its
+    ``site`` or ``runpy`` fail before any ckptlib code runs) up to the CLI's, the command stops with one
+    message (the launcher's own when ckptlib's modules cannot be loaded, the CLI's once they are), exit
+    code 2, no traceback, nothing written."""
+    exe = [sys.executable, "-m", "ckptlib"] if command != "ckpt" else [str(Path(sys.executable).parent / "ckpt")]
+    if command == "ckpt" and not Path(exe[0]).is_file():
+        pytest.skip("the ckpt script is not installed beside this interpreter")
+    low, high = bare_data_segment() + MIB, cli_data_segment() + 5 * MIB
+    seen = set()
+    for limit in range(low, high, MIB):
+        out = tmp_path / f"out-{limit}"
+
+        def cap(limit=limit):
+            resource.setrlimit(resource.RLIMIT_DATA, (limit, resource.getrlimit(resource.RLIMIT_DATA)[1]))
+
+        r = subprocess.run([*exe, "export", str(SAMPLE), str(out), "-q"], preexec_fn=cap, capture_output=True,
+                           text=True, timeout=120, cwd=ROOT)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and "Traceback" not in r.stderr, (limit, r.stderr[-2000:])
+        assert len(lines) == 2 and lines[0].startswith("ckpt") and "out of memory" in lines[0], (limit, r.stderr)
+        assert lines[1].startswith("  hint: ") and not out.exists(), (limit, r.stderr)
+        seen.add("launcher" if "before ckptlib could run" in lines[0] else "cli")
+    assert seen == {"launcher", "cli"}  # both guards were reached in the scan
