@@ -43,13 +43,15 @@ def main() -> int:
     rows = []
     for ckpt in args.checkpoints:
         tag = (ckpt / "latest").read_text().strip()
-        tools = {"ds_to_universal": None, "ckpt reshard 4->2": 2, "ckpt reshard 4->3": 3}
+        # tool: (target size, extra arguments); --no-sync leaves the output to the kernel, as ds_to_universal does
+        tools = {"ds_to_universal": (None, []), "ckpt reshard 4->2": (2, []), "ckpt reshard 4->3": (3, []),
+                 "ckpt reshard 4->2 --no-sync": (2, ["--no-sync"])}
         if args.before:
-            tools.update({"ckpt reshard 4->2 (before)": 2, "ckpt reshard 4->3 (before)": 3})
+            tools.update({"ckpt reshard 4->2 (before)": (2, []), "ckpt reshard 4->3 (before)": (3, [])})
         res = {t: [] for t in tools}
         for r in range(args.rounds):
-            for tool, m in tools.items():
-                out = work / f"{ckpt.name}-{m or 'universal'}"
+            for k, (tool, (m, extra)) in enumerate(tools.items()):
+                out = work / f"{ckpt.name}-{k}"
                 shutil.rmtree(out, ignore_errors=True)
                 out.mkdir()
                 drop_caches()
@@ -58,7 +60,7 @@ def main() -> int:
                            "--output_folder", str(out / f"{tag}_universal")]
                 else:
                     cmd = [PY, "-P", "-m", "ckptlib", "reshard", str(ckpt), str(out / "resharded"), "--world-size", str(m),
-                           "-q"]
+                           "-q", *extra]
                 st = run(cmd, env=before_env if tool.endswith("(before)") else None, tree=True, watch_dir=str(out),
                          interval=0.01)
                 if st.returncode != 0:
@@ -68,7 +70,7 @@ def main() -> int:
                 print(f"  {ckpt.name} round {r + 1} {tool}: {st.wall:.1f} s, anon {st.peak_anon / MIB:.0f} MiB, "
                       f"disk peak {st.peak_disk / MIB:.0f} MiB final {st.final_disk / MIB:.0f} MiB", flush=True)
         med = medians(res, ("wall", "peak_anon", "peak_disk", "final_disk"))
-        rows.append((ckpt.name, med, {t: _stated_bound(ckpt, m) for t, m in tools.items()}))
+        rows.append((ckpt.name, med, {t: _stated_bound(ckpt, m) for t, (m, _) in tools.items()}))
     print()
     print("| checkpoint | tool | wall time (median) | peak RssAnon (process tree) | over import baseline "
           "| stated bound | temporary disk | output on disk |")
