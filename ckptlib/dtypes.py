@@ -6,6 +6,7 @@ actually made.
 """
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -93,6 +94,19 @@ def decode_scalar(raw: bytes, dtype: Any):
     return struct.unpack("<" + code, bytes(raw[:struct.calcsize(code)]))[0]
 
 
+class Shaped:
+    """``numel`` and ``nbytes`` of anything with a ``shape`` and a ``dtype`` (a name): the tensor records of
+    plans, safetensors headers and tensor sets mix it in."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * itemsize(self.dtype)
+
+
 def torch_dtype(dtype: Any):
     """The torch dtype (imports torch)."""
     import torch
@@ -101,4 +115,4 @@ def torch_dtype(dtype: Any):
 
 
 __all__ = ["DType", "BY_NAME", "BY_STORAGE_CLASS", "BY_SHORT", "OUTPUT_DTYPES", "lookup", "name_of", "itemsize",
-           "is_floating", "decode_scalar", "torch_dtype"]
+           "is_floating", "decode_scalar", "torch_dtype", "Shaped"]

@@ -15,12 +15,11 @@ prints, and runs in another process as it is (:mod:`ckptlib.execute`). Nothing h
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Optional
 
-from .dtypes import itemsize
+from .dtypes import Shaped
 from .ranges import stored_bytes
 from .streaming import predicted_peak_bytes
 from .units import human_bytes
@@ -53,7 +52,7 @@ class SourceRef:
 
 
 @dataclass
-class PlannedTensor:
+class PlannedTensor(Shaped):
     """One output tensor of an export and where its bytes come from (``ranges``, see :mod:`ckptlib.ranges`)."""
 
     name: str                 # key in the output state dict
@@ -63,14 +62,6 @@ class PlannedTensor:
     shape: tuple
     dtype: str                # output dtype name
     ranges: tuple = field(default=(), repr=False)
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * itemsize(self.dtype)
 
     @property
     def read_bytes(self) -> int:

@@ -14,23 +14,19 @@ import struct
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from .dtypes import BY_NAME, itemsize, lookup
+from .dtypes import BY_NAME, Shaped, itemsize, lookup
 
 _FROM_CODE = {d.safetensors: d.name for d in BY_NAME.values() if d.safetensors}
 MAX_HEADER = 100 * 2**20
 
 
 @dataclass(frozen=True)
-class TensorSpec:
+class TensorSpec(Shaped):
     """A tensor of a safetensors file: ``name``, ``dtype`` (a name) and ``shape``."""
 
     name: str
     dtype: str
     shape: tuple
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * itemsize(self.dtype)
 
 
 class SafetensorsLayout:

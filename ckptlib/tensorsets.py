@@ -30,7 +30,7 @@ from typing import Optional, Union
 from .deepspeed import Checkpoint, open_checkpoint
 from .deepspeed.discovery import detect
 from .deepspeed.files import LAYER_STATES, classify
-from .dtypes import itemsize
+from .dtypes import Shaped, itemsize
 from .errors import CkptError, IncompleteCheckpointError, NotACheckpointError
 from .ranges import StoredRange
 from .sources import stamp
@@ -43,7 +43,7 @@ WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
 @dataclass(frozen=True)
-class NamedTensor:
+class NamedTensor(Shaped):
     """One tensor of a set: ``key`` (the parameter or buffer name, or ``<state>/<name>`` for an optimizer
     state), stored ``dtype``, ``shape`` and the byte ranges of its flattened value."""
 
@@ -52,14 +52,6 @@ class NamedTensor:
     shape: tuple
     ranges: tuple = field(repr=False)
     state: Optional[str] = None
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * itemsize(self.dtype)
 
     @property
     def name(self) -> str:
