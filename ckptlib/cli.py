@@ -33,18 +33,20 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         return 1 if ckpt.problems else 0
 
 
-def _finish(args: argparse.Namespace, plan, result) -> int:
-    """Print what a run did (and, with ``--verify``, what was checked); the exit code. With ``-q`` nothing
-    is printed unless verification fails."""
+def _finish(args: argparse.Namespace, plan, result, checked=None) -> int:
+    """Print what a run did (and, with ``--verify``, what was checked: ``checked`` if the ranks of a
+    distributed run verified it already); the exit code. With ``-q`` nothing is printed unless
+    verification fails."""
     if not args.quiet:
         for note in plan.notes:
             print(f"note: {note}", file=sys.stderr)
         print(result.describe())
     if not args.verify:
         return 0
-    from .verify import verify
+    if checked is None:
+        from .verify import verify
 
-    checked = verify(plan, result.out)
+        checked = verify(plan, result.out)
     if not args.quiet or not checked.ok:
         print(checked.describe())
     return 0 if checked.ok else 1
@@ -66,7 +68,7 @@ def _plan_and_run(args: argparse.Namespace, make_plan, desc: str) -> int:
             print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.describe())
             return 0
         return _finish(args, plan, run(plan, observer=observer))
-    from .execute.distributed import DistributedFailure, process_group, run_distributed, shared_plan
+    from .execute.distributed import DistributedFailure, process_group, run_distributed, shared_plan, verify_distributed
 
     try:
         with process_group():
@@ -76,11 +78,12 @@ def _plan_and_run(args: argparse.Namespace, make_plan, desc: str) -> int:
                     print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.describe())
                 return 0
             result = run_distributed(plan, observer=observer)
+            checked = verify_distributed(plan, result.out) if args.verify else None  # every rank compares a share
     except DistributedFailure as e:
         if rank != 0 and e.everywhere:  # rank 0 prints the same message
             return 2
         raise
-    return _finish(args, plan, result) if rank == 0 else 0
+    return _finish(args, plan, result, checked) if rank == 0 else 0
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
@@ -188,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="under torchrun: every rank writes its share of the shards (gloo)")
     p.add_argument("--verify", action="store_true",
                    help="re-read the output and compare every tensor with the checkpoint, bit for bit (exit 1 if any "
-                        "differs)")
+                        "differs; with --distributed every rank compares a share)")
     p.add_argument("-q", "--quiet", action="store_true",
                    help="print nothing but errors (and a failed verification); the exit code says how it went")
     p.set_defaults(func=_cmd_export)
@@ -214,7 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: 2 with 2+ cores)")
     p.add_argument("--verify", action="store_true",
                    help="re-open the output and compare every master, optimizer state, frozen parameter and buffer "
-                        "with the source, bit for bit (exit 1 if any differs)")
+                        "with the source, bit for bit (exit 1 if any differs; with --distributed every rank compares a "
+                        "share)")
     p.add_argument("--distributed", action="store_true",
                    help="under torchrun (one machine or several nodes, output on a shared file system): rank 0 "
                         "plans, every rank writes its share of the target files (balanced by bytes, --workers "

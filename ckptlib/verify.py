@@ -8,7 +8,9 @@
   has (memory, cgroup limit, free disk).
 
 No widgets, no plots: the CLI (``--verify``), the wizards and the notebooks all call this. The
-comparison engine (:class:`ckptlib.compare.Comparer`) is the one ``ckpt diff`` uses.
+comparison engine (:class:`ckptlib.compare.Comparer`) is the one ``ckpt diff`` uses. Several processes
+can share one verification (:class:`Share`: each compares every n-th tensor; :func:`merge_verifications`
+joins their results), as ``--verify --distributed`` does.
 Memory: the comparer's buffers (1.5 ``chunk_bytes``), whatever the tensor sizes.
 """
 from __future__ import annotations
@@ -36,11 +38,27 @@ MAX_LISTED = 5  # mismatches named in a check's detail
 
 @dataclass
 class Check:
-    """One verification check: what was checked, whether it held, and details."""
+    """One verification check: what was checked, whether it held, and details; a check over many items
+    (a tally) also has their ``total`` and the ``bad`` ones."""
 
     what: str
     ok: bool
     detail: str = ""
+    total: Optional[int] = None
+    bad: tuple = ()
+
+
+class Share:
+    """Which of a verification's tensor comparisons this process makes: every ``world``-th one, starting
+    at the ``rank``-th (all of them by default). Every process must walk the same plan in the same order."""
+
+    def __init__(self, rank: int = 0, world: int = 1):
+        self.rank, self.world, self.seen = rank, world, 0
+
+    def mine(self) -> bool:
+        """Whether the next comparison is this process's (call once per comparison, on every process)."""
+        self.seen += 1
+        return (self.seen - 1) % self.world == self.rank
 
 
 @dataclass
@@ -64,7 +82,26 @@ class Verification:
 
 def _tally(what: str, total: int, bad: list[str]) -> Check:
     listed = ", ".join(bad[:MAX_LISTED]) + (f" and {len(bad) - MAX_LISTED} more" if len(bad) > MAX_LISTED else "")
-    return Check(what, not bad, f"{total - len(bad)} of {total}" + (f"; differ: {listed}" if bad else ""))
+    return Check(what, not bad, f"{total - len(bad)} of {total}" + (f"; differ: {listed}" if bad else ""),
+                 total=total, bad=tuple(bad))
+
+
+def merge_verifications(parts: list) -> Verification:
+    """One verification from those of processes that shared it (:class:`Share`): a tally's bad items
+    joined, any other check held where it held on every process; the bytes compared summed."""
+    lengths = {len(p.checks) for p in parts}
+    if len(lengths) != 1:  # a process could not run its share: what failed, and that they disagree
+        failed = list(dict.fromkeys((c.what, c.detail) for p in parts for c in p.checks if not c.ok))
+        return Verification(out=parts[0].out, checks=[Check(w, False, d) for w, d in failed] + [
+            Check("the processes' verifications agree", False, f"{sorted(lengths)} checks")])
+    checks = []
+    for same in zip(*(p.checks for p in parts)):
+        c = same[0]
+        if c.total is None:
+            checks.append(Check(c.what, all(x.ok for x in same), c.detail))
+        else:
+            checks.append(_tally(c.what, c.total, list(dict.fromkeys(b for x in same for b in x.bad))))
+    return Verification(out=parts[0].out, checks=checks, bytes_compared=sum(p.bytes_compared for p in parts))
 
 
 def _handle_ranges(obj, what: str) -> list:
@@ -94,7 +131,7 @@ def _output_tensors(path: Path) -> dict:
     return {t.key: (t.dtype, tuple(t.shape), list(t.ranges)) for t in file_tensors(path)}
 
 
-def _verify_export(plan, src: Checkpoint, out: Path, cmp: Comparer) -> list[Check]:
+def _verify_export(plan, src: Checkpoint, out: Path, cmp: Comparer, share: Share) -> list[Check]:
     checks = []
     missing = [f.name for f in list(plan.files) + list(plan.finals) if not (out / f.name).is_file()]
     checks.append(Check("every planned file is there", not missing,
@@ -123,15 +160,15 @@ def _verify_export(plan, src: Checkpoint, out: Path, cmp: Comparer) -> list[Chec
     bad = []
     for f in plan.weights:
         for t in f.tensors:
-            got = found.get((f.name, t.name))
-            if got is None or not cmp.equal(src.sources(t.source, t.key), got[2], t.dtype):
+            got, mine = found.get((f.name, t.name)), share.mine()
+            if got is None or (mine and not cmp.equal(src.sources(t.source, t.key), got[2], t.dtype)):
                 bad.append(t.name if not t.key else f"{t.key}/{t.name}")
     checks.append(_tally("every tensor equals the checkpoint's value, bit for bit", len(plan.tensors), bad))
     return checks
 
 
 # ============================================================================================ reshard
-def _verify_reshard(plan, src: Checkpoint, out: Path, cmp: Comparer) -> list[Check]:
+def _verify_reshard(plan, src: Checkpoint, out: Path, cmp: Comparer, share: Share) -> list[Check]:
     try:
         new = open_checkpoint(out)
     except CkptError as e:
@@ -150,16 +187,18 @@ def _verify_reshard(plan, src: Checkpoint, out: Path, cmp: Comparer) -> list[Che
             return checks
         keys = list(src.optimizer.state_keys) if src.optimizer else []
         trainable = [p for p in src.parameters if p.trainable and not p.tied_to]
-        bad = [p.name for p in trainable if not cmp.equal(src.sources(p.name), new.sources(p.name), "float32")]
+
+        def differ(name: str, dtype: str, key: Optional[str] = None) -> bool:  # compared here if it is ours
+            return share.mine() and not cmp.equal(src.sources(name, key), new.sources(name, key), dtype)
+
+        bad = [p.name for p in trainable if differ(p.name, "float32")]
         checks.append(_tally("every fp32 master equals the source's, bit for bit", len(trainable), bad))
         for key in keys:
-            bad = [p.name for p in trainable if not cmp.equal(src.sources(p.name, key), new.sources(p.name, key),
-                                                             "float32")]
+            bad = [p.name for p in trainable if differ(p.name, "float32", key)]
             checks.append(_tally(f"every {key} equals the source's, bit for bit", len(trainable), bad))
         others = [p for p in src.parameters if not p.trainable and not p.tied_to and p.name in src.records.index.frozen]
-        bad = [p.name for p in others if not cmp.equal(src.sources(p.name), new.sources(p.name),
-                                                       src.frozen_chunks(p.name)[0].dtype_name)]
-        bad += [b.name for b in src.buffers if not cmp.equal(src.sources(b.name), new.sources(b.name), b.dtype)]
+        bad = [p.name for p in others if differ(p.name, src.frozen_chunks(p.name)[0].dtype_name)]
+        bad += [b.name for b in src.buffers if differ(b.name, b.dtype)]
         checks.append(_tally("frozen parameters and buffers equal the source's", len(others) + len(src.buffers), bad))
         step_a = src.optimizer.step if src.optimizer else None
         step_b = new.optimizer.step if new.optimizer else None
@@ -168,7 +207,7 @@ def _verify_reshard(plan, src: Checkpoint, out: Path, cmp: Comparer) -> list[Che
 
 
 # ============================================================================================ universal
-def _verify_universal(plan, src: Checkpoint, out: Path, cmp: Comparer) -> list[Check]:
+def _verify_universal(plan, src: Checkpoint, out: Path, cmp: Comparer, share: Share) -> list[Check]:
     latest = out / plan.finals[0].name
     checks = [Check(f"{latest.name} names {plan.universal_tag}",
                     latest.is_file() and latest.read_text().strip() == plan.universal_tag)]
@@ -187,6 +226,8 @@ def _verify_universal(plan, src: Checkpoint, out: Path, cmp: Comparer) -> list[C
             if key is not None and not path.is_file():
                 continue  # a state the universal layout does not carry (see the plan's notes)
             total += 1
+            if not share.mine():
+                continue
             with open_torch_file(path) as tf:
                 obj = tf.obj["param"] if isinstance(tf.obj, dict) else tf.obj
                 ok = isinstance(obj, TensorHandle) and tuple(obj.shape) == tuple(p.shape) and \
@@ -199,9 +240,11 @@ def _verify_universal(plan, src: Checkpoint, out: Path, cmp: Comparer) -> list[C
 
 # ============================================================================================ entry points
 def verify(plan: Plan, out: Optional[os.PathLike] = None, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-           progress: Callable[[int], None] = lambda n: None, cancel=None) -> Verification:
+           progress: Callable[[int], None] = lambda n: None, cancel=None, share: Optional[Share] = None) -> Verification:
     """Re-open the output of ``plan`` (at ``out``, default ``plan.out``) and compare every tensor with the
-    source, bit for bit. Returns the checks; :attr:`Verification.ok` says whether all held.
+    source, bit for bit. Returns the checks; :attr:`Verification.ok` says whether all held. With a
+    ``share``, only that share of the tensors is compared (join the processes' results with
+    :func:`merge_verifications`).
 
     Memory: two chunks of ``chunk_bytes``, whatever the model size. Reads the whole output and the
     source ranges it was made from.
@@ -217,7 +260,7 @@ def verify(plan: Plan, out: Optional[os.PathLike] = None, *, chunk_bytes: int = 
     cmp = Comparer(chunk_bytes, progress, cancel)
     try:
         with open_checkpoint(plan.source.save_dir, tag=plan.source.tag, tp_rules=plan.source.tp_rules) as src:
-            result.checks = do(plan, src, out, cmp) + _copies(plan, out)
+            result.checks = do(plan, src, out, cmp, share or Share()) + _copies(plan, out)
     finally:
         result.bytes_compared = cmp.compared
         cmp.close()
@@ -270,4 +313,4 @@ def preflight(plan: Plan) -> Preflight:
                      disk_free=free_disk(plan.out))
 
 
-__all__ = ["Check", "Verification", "verify", "Preflight", "preflight", "free_disk"]
+__all__ = ["Check", "Verification", "verify", "Share", "merge_verifications", "Preflight", "preflight", "free_disk"]

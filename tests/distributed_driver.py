@@ -8,7 +8,8 @@ exactly as ``python -m ckptlib ARGV`` runs it (each one joins and leaves the pro
 ``fault_rank`` a fault is injected into the writer: ``"enospc"`` makes the writing of the rank's first unit
 end with "No space left on device" after the unit was written; ``"crash"`` kills the process there
 (``os._exit``, as an OOM kill would). On rank ``slow_rank`` every unit starts only after a pause of
-``SLOW`` seconds, and the units it finished are counted (``"units"`` in its record). Each rank appends
+``SLOW`` seconds, and the units it finished are counted (``"units"`` in its record). The shares of a
+verification each rank ran are recorded too (``"verified"``: ``[rank, world, bytes compared]`` each). Each rank appends
 ``{"name", "rc", "stdout", "stderr"}`` per job to RESULTS_DIR/rank<R>.jsonl (an unexpected exception is
 recorded with its traceback, rc "exception").
 """
@@ -57,12 +58,29 @@ def main() -> int:
     # when one rank dies torchrun stops the others with SIGTERM; ckptlib's handler (during a run) cleans up and
     # raises; outside a run the record of the job must still be written, so the default (death) is not wanted
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    import importlib
+
     from ckptlib import cli
+
+    verify_module = importlib.import_module("ckptlib.verify")  # the module (ckptlib.verify is the function)
     from ckptlib.execute import runner
+
+    verified: list = []
+    real_verify = verify_module.verify
+
+    def recording_verify(plan, out=None, **kw):
+        result = real_verify(plan, out, **kw)
+        share = kw.get("share")
+        verified.append([share.rank, share.world, result.bytes_compared] if share else [None, None,
+                                                                                        result.bytes_compared])
+        return result
+
+    verify_module.verify = recording_verify
 
     for job in jobs:
         original = runner.write_unit
         done: list = []
+        verified.clear()
         if job.get("fault_rank") == rank:
             runner.write_unit = faulty(original, job["fault"])
         if job.get("slow_rank") == rank:
@@ -80,7 +98,7 @@ def main() -> int:
             runner.write_unit = original
         with open(results / f"rank{rank}.jsonl", "a") as f:
             f.write(json.dumps({"name": job["name"], "rc": rc, "stdout": out.getvalue(), "stderr": err.getvalue(),
-                                "units": len(done)}) + "\n")
+                                "units": len(done), "verified": list(verified)}) + "\n")
     return 0
 
 

@@ -44,6 +44,9 @@ CASES = {
     "tp2_dp2_z2_bf16 universal": ("tp2_dp2_z2_bf16", ["reshard", "--universal"]),
     "export z3_bf16_w3 bf16 6KB shards": ("z3_bf16_w3", ["export", "--dtype", "bf16", "--max-shard-size", "6KB"]),
     "z2_bf16_w4->3 not synced": ("z2_bf16_w4", ["reshard", "--world-size", "3", "--no-sync"]),
+    "z3_bf16_w3->2 verified": ("z3_bf16_w3", ["reshard", "--world-size", "2", "--verify"]),
+    "export z2_bf16_w4 verified": ("z2_bf16_w4", ["export", "--states", "exp_avg", "--max-shard-size", "20KB",
+                                                  "--verify"]),
 }
 TWO_NODE_CASES = {
     "export large_w2 10MB shards": ("large_w2", ["export", "--max-shard-size", "10MB"]),
@@ -260,3 +263,13 @@ def test_the_shares_are_balanced_by_bytes(fixture_by_name, tmp_path, name, unive
         assert Counter(u for s in shares for u in s) == Counter(work)  # every unit once
         loads = [sum(u.nbytes for u in s) for s in shares]
         assert max(loads) - min(loads) <= max(u.nbytes for u in work), loads
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if "--verify" in CASES[c][1]])
+def test_each_rank_verifies_a_share_of_the_output(one_node, case):
+    """``--verify --distributed``: every rank compared its share of the tensors (rank 0 printed nothing
+    with -q, so the joined verification held); the shares' bytes add up to about a single verification's."""
+    _assert_ran(one_node, case)
+    shares = {r: one_node["records"][r][case]["verified"] for r in (0, 1)}
+    assert [s[:2] for s in shares[0]] == [[0, 2]] and [s[:2] for s in shares[1]] == [[1, 2]], shares
+    assert shares[0][0][2] > 0 and shares[1][0][2] > 0, shares

@@ -157,3 +157,43 @@ def test_refused_layouts_are_unsupported_and_broken_ones_incomplete(fixture_by_n
     with pytest.raises(ckptlib.IncompleteCheckpointError, match="missing bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"):
         ckptlib.plan_reshard(broken, tmp_path / "o", 2)
     assert not (tmp_path / "o").exists()
+
+
+def test_shared_verifications_join_into_the_single_one(fixture_by_name, tmp_path):
+    """Processes that share a verification (each compares every n-th tensor) give, joined, what one process
+    finds: the same checks, the same damaged tensors, and the bytes compared split between them."""
+    from ckptlib.stformat import read_header
+    from ckptlib.verify import Share, merge_verifications, verify
+
+    fx = fixture_by_name("z2_bf16_w3")
+    plans = [ckptlib.plan_export(fx["checkpoint_path"], tmp_path / "export", states=["exp_avg"]),
+             ckptlib.plan_reshard(fx["checkpoint_path"], tmp_path / "reshard", 2),
+             ckptlib.plan_universal(fx["checkpoint_path"], tmp_path / "universal")]
+    for plan in plans:
+        ckptlib.run(plan)
+    _, infos = read_header(plans[0].out / "model.safetensors")
+    _flip(plans[0].out / "model.safetensors", next(t for t in infos if t.name == "fc1.weight").offset + 7)
+    _, infos = read_header(plans[0].out / "exp_avg" / "model.safetensors")
+    _flip(plans[0].out / "exp_avg" / "model.safetensors", next(t for t in infos if t.name == "fc2.bias").offset + 3)
+    with ckptlib.open_checkpoint(plans[1].out) as new:
+        r = new.sources("fc2.bias", "exp_avg_sq")[0]
+    _flip(r.path, r.offset + 1)
+    for plan in plans:
+        one = verify(plan)
+        for world in (2, 3):
+            parts = [verify(plan, share=Share(rank, world)) for rank in range(world)]
+            joined = merge_verifications(parts)
+            assert [(c.what, c.ok, c.detail) for c in joined.checks] == [(c.what, c.ok, c.detail) for c in one.checks]
+            assert joined.bytes_compared == one.bytes_compared
+            assert all(0 < p.bytes_compared < one.bytes_compared for p in parts), [p.bytes_compared for p in parts]
+        assert one.ok == (plan.action == "universal"), one.describe()
+    assert "fc1.weight" in verify(plans[0]).describe() and "exp_avg/fc2.bias" in verify(plans[0]).describe()
+
+
+def test_a_share_that_could_not_run_fails_the_joined_verification(tmp_path):
+    from ckptlib.verify import Check, Verification, merge_verifications
+
+    ok = Verification(out=tmp_path, checks=[Check("a", True), Check("b", True, "3 of 3", total=3)], bytes_compared=8)
+    failed = Verification(out=tmp_path, checks=[Check("rank 1 verified its share", False, "OSError: gone")])
+    joined = merge_verifications([ok, failed])
+    assert not joined.ok and "rank 1 verified its share" in joined.describe() and "OSError: gone" in joined.describe()

@@ -279,6 +279,28 @@ def run_distributed(plan: Plan, observer: Optional[Observer] = None, cancel: Any
     return result
 
 
+def verify_distributed(plan: Plan, out: os.PathLike):
+    """:func:`ckptlib.verify.verify` shared out among the ranks of the default process group: each rank
+    compares every world-th tensor, rank 0 joins the results (:func:`~ckptlib.verify.merge_verifications`).
+    Returns the verification on rank 0, None on the others. A rank whose share fails to run says so in a
+    failed check (the others are not left waiting).
+
+    Memory per rank: the comparer's buffers (as a single verification)."""
+    import torch.distributed as dist
+
+    from ..verify import Check, Share, Verification, merge_verifications, verify
+
+    with process_group():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        try:
+            part = verify(plan, out, share=Share(rank, world))
+        except Exception as e:  # reported below, in the joined result
+            part = Verification(out=Path(out), checks=[Check(f"rank {rank} verified its share", False, _describe(e))])
+        parts: list = [None] * world
+        dist.all_gather_object(parts, part)
+    return merge_verifications(parts) if rank == 0 else None
+
+
 def _prepare_on_rank0(plan: Plan, rank: int) -> tuple[Path, Optional[AtomicOutputDir]]:
     """Step 1: rank 0 checks the source and makes the temporary folder; every rank learns where it is.
     Returns ``(tmp, atomic)`` (``atomic`` on rank 0 only)."""
@@ -324,4 +346,5 @@ def _finish_on_rank0(plan: Plan, atomic: AtomicOutputDir, tmp: Path, failed: lis
         return f"rank 0: {_describe(e)}"
 
 
-__all__ = ["run_distributed", "shared_plan", "process_group", "DistributedFailure", "PeerStop", "STOP_MARK"]
+__all__ = ["run_distributed", "verify_distributed", "shared_plan", "process_group", "DistributedFailure", "PeerStop",
+           "STOP_MARK"]
