@@ -67,8 +67,10 @@ class _Wizard(widgets.VBox):
                                 layout=widgets.Layout(width="80%"))
         self.overwrite = widgets.Checkbox(value=False, description="replace the output folder if it is not empty",
                                           indent=False)
-        self.sync = widgets.Checkbox(value=True, indent=False,
-                                     description="on disk before it appears (safe against a power cut; slower)")
+        self.sync = widgets.Checkbox(value=True, indent=False, layout=widgets.Layout(width="auto"),
+                                     description="on disk before it appears (survives a power cut; slower)",
+                                     tooltip="untick to leave the writing to the kernel after the run, as torch.save "
+                                             "and DeepSpeed do (ckpt --no-sync)")
         self.plan_button = widgets.Button(description="Plan", icon="list", button_style="info",
                                           tooltip="compute the plan from metadata (reads no tensor data)")
         self.plan_view = widgets.HTML()
