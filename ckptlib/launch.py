@@ -11,8 +11,8 @@ import os
 
 MESSAGE = (b"ckpt: error: ran out of memory before ckptlib could run or say how much it needs: Python could not "
            b"load its modules under this process's memory limit (ulimit -d, the cgroup or the machine)\n"
-           b"  hint: raise the limit; ckpt needs about 16 MB to start and 80 MB for an fp32 export "
-           b"(`ckpt export --plan` says how much a run needs)\n")
+           b"  hint: raise the limit; ckpt needs about 16 MB to start, 80 MB for an fp32 export and 130 MB for one "
+           b"that casts (`ckpt export --plan` says how much a run needs)\n")
 
 
 def out_of_memory(e: BaseException) -> bool:
