@@ -353,9 +353,7 @@ def check(checkpoint: Union[CheckPlan, Checkpoint, str, os.PathLike], *, observe
     Memory: ``plan.predicted_peak_bytes``. The checkpoint is only read; it must not change meanwhile.
     """
     plan = checkpoint if isinstance(checkpoint, CheckPlan) else plan_check(checkpoint, **options)
-    load_cast_kernels()  # numpy, loaded (or refused for want of memory) before the clock and the memory watch
-    # start: a first import (about 40 MiB of OpenBLAS buffers with one thread, once per process) is not the run's
-    # memory or time
+    load_cast_kernels()  # before the clock and the memory watch start (see its docstring)
 
     observer = observer or Observer()
     t0 = time.perf_counter()

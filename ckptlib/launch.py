@@ -17,7 +17,9 @@ MESSAGE = (b"ckpt: error: ran out of memory before ckptlib could run or say how 
 
 def out_of_memory(e: BaseException) -> bool:
     """Whether ``e`` is the failure of an allocation: a MemoryError, an OSError ENOMEM (e.g. listing a
-    folder while importing), or an ImportError of a shared library that could not be mapped."""
+    folder while importing), or an ImportError of a shared library that could not be mapped. The import-time
+    part of :func:`ckptlib.allocation.is_allocation_failure`, kept here because that module's own imports
+    (errors, memory, units) are what fails under the memory this guard is for."""
     if isinstance(e, MemoryError):
         return True
     if isinstance(e, OSError):

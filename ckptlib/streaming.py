@@ -137,7 +137,9 @@ def openblas_threads() -> int:
 
 
 def load_cast_kernels() -> None:
-    """Load the casts' kernels (numpy, :mod:`ckptlib.casting`) now, before a run writes anything.
+    """Load the casts' kernels (numpy, :mod:`ckptlib.casting`) now, before a run writes anything, or a
+    check or diff starts its clock and memory watch: numpy's first import (about 40 MiB of OpenBLAS
+    buffers with one thread, once per process) is not a run's memory or time.
 
     Raises:
         OutOfMemoryError: numpy is not loaded yet and there is less room (``ulimit -d``, the cgroup, the

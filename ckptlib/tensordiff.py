@@ -261,9 +261,7 @@ def diff(a: Union[DiffPlan, TensorSet, str, os.PathLike, Any], b: Union[TensorSe
         raise CkptError("diff needs two sides: diff(a, b) or diff(plan_diff(a, b))")
     else:
         plan = plan_diff(a, b, **options)
-    load_cast_kernels()  # numpy, loaded (or refused for want of memory) before the clock and the memory watch
-    # start: a first import (about 40 MiB of OpenBLAS buffers with one thread, once per process) is not the run's
-    # memory or time
+    load_cast_kernels()  # before the clock and the memory watch start (see its docstring)
 
     observer = observer or Observer()
     t0 = time.perf_counter()

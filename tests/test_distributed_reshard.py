@@ -63,6 +63,22 @@ def _source(name, fixture_by_name, parallel_fixtures) -> tuple[Path, list]:
     return Path(fx["checkpoint_path"]), (["--tp-rules", str(rules)] if rules.is_file() else [])
 
 
+def _key(case: str) -> str:
+    """The folder name of a case's outputs."""
+    return case.replace(" ", "_").replace(">", "")
+
+
+def _case_jobs(cases: dict, work: Path, fixture_by_name, parallel_fixtures) -> list:
+    """The launch's jobs for ``cases`` (each with ``--distributed``), after writing each one's single-process
+    reference under ``work/one``."""
+    jobs = []
+    for case, (name, cmd) in cases.items():
+        src, extra = _source(name, fixture_by_name, parallel_fixtures)
+        _single(_argv(cmd, src, work / "one" / _key(case), extra))
+        jobs.append({"name": case, "argv": _argv(cmd, src, work / "dist" / _key(case), extra) + ["--distributed"]})
+    return jobs
+
+
 def _argv(cmd: list, src: Path, out: Path, extra: list) -> list:
     return [cmd[0], str(src), str(out), *cmd[1:], *extra, "-q"]
 
@@ -139,12 +155,7 @@ def one_node(fixture_by_name, parallel_fixtures, tmp_path_factory):
     """All single-node cases in one `torchrun --standalone --nproc_per_node 2` launch (the death of a rank last),
     and their single-process references."""
     work = tmp_path_factory.mktemp("distributed")
-    jobs = []
-    for case, (name, cmd) in CASES.items():
-        src, extra = _source(name, fixture_by_name, parallel_fixtures)
-        key = case.replace(" ", "_").replace(">", "")
-        _single(_argv(cmd, src, work / "one" / key, extra))
-        jobs.append({"name": case, "argv": _argv(cmd, src, work / "dist" / key, extra) + ["--distributed"]})
+    jobs = _case_jobs(CASES, work, fixture_by_name, parallel_fixtures)
     src = Path(fixture_by_name("z2_bf16_w4")["checkpoint_path"])
     for kind in ("plan", "enospc", "missing source", "crash"):
         (work / kind).mkdir()
@@ -168,13 +179,7 @@ def one_node(fixture_by_name, parallel_fixtures, tmp_path_factory):
 def two_nodes(fixture_by_name, parallel_fixtures, tmp_path_factory):
     """The two-node cases in one pair of torchrun node launchers (1 process each, c10d rendezvous on 127.0.0.1)."""
     work = tmp_path_factory.mktemp("distributed-nodes")
-    jobs = []
-    for case, (name, cmd) in TWO_NODE_CASES.items():
-        src, extra = _source(name, fixture_by_name, parallel_fixtures)
-        key = case.replace(" ", "_").replace(">", "")
-        _single(_argv(cmd, src, work / "one" / key, extra))
-        jobs.append({"name": case, "argv": _argv(cmd, src, work / "dist" / key, extra) + ["--distributed"]})
-    res = _launch(jobs, work / "launch", nodes=2)
+    res = _launch(_case_jobs(TWO_NODE_CASES, work, fixture_by_name, parallel_fixtures), work / "launch", nodes=2)
     res["work"] = work
     return res
 
@@ -189,16 +194,14 @@ def _assert_ran(res, case):
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_ranks_write_the_same_bytes_as_one_process(one_node, case):
     _assert_ran(one_node, case)
-    key = case.replace(" ", "_").replace(">", "")
-    _assert_same_tree(one_node["work"] / "one" / key, one_node["work"] / "dist" / key)
+    _assert_same_tree(one_node["work"] / "one" / _key(case), one_node["work"] / "dist" / _key(case))
 
 
 @pytest.mark.parametrize("case", list(TWO_NODE_CASES))
 def test_two_node_launchers_write_the_same_bytes_as_one_process(two_nodes, case):
     assert two_nodes["codes"] == [0, 0], two_nodes["output"]
     _assert_ran(two_nodes, case)
-    key = case.replace(" ", "_").replace(">", "")
-    _assert_same_tree(two_nodes["work"] / "one" / key, two_nodes["work"] / "dist" / key)
+    _assert_same_tree(two_nodes["work"] / "one" / _key(case), two_nodes["work"] / "dist" / _key(case))
 
 
 def test_a_failure_on_one_rank_leaves_nothing_and_one_message(one_node):

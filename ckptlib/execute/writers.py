@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from ..memory import system_memory
 from ..plan import CopyFile, Plan, TextFile, TreeFile, WeightsFile
 from ..progress import Observer, check_cancel
-from ..memory import cgroup_memory
 from ..sinks import PwriteSink, UnsyncedBudget, WriteBehind
 from ..sources import SourceFiles
 from ..stformat import SafetensorsLayout, TensorSpec
@@ -74,7 +74,7 @@ def kernel_writeback_threshold() -> int:
     """Bytes of dirty page cache the kernel lets pile up before it starts writing back on its own: Linux
     ``vm.dirty_background_bytes``, or ``vm.dirty_background_ratio`` percent of the available memory (in a
     memory cgroup, of what it still allows, where the kernel throttles too); 256 MiB where that cannot be
-    read. Reads a few small files under ``/proc`` and ``/sys/fs/cgroup``."""
+    read. Reads a few small files under ``/proc`` and ``/sys/fs/cgroup`` (:func:`ckptlib.memory.system_memory`)."""
     def read(path: str) -> int:
         with open(path) as f:
             return int(f.read().split()[0])
@@ -82,13 +82,12 @@ def kernel_writeback_threshold() -> int:
     try:
         fixed = read("/proc/sys/vm/dirty_background_bytes")
         ratio = read("/proc/sys/vm/dirty_background_ratio")
-        with open("/proc/meminfo") as f:
-            room = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, ValueError, StopIteration, IndexError):
+    except (OSError, ValueError, IndexError):
         return 256 * 2**20
-    limit, usage = cgroup_memory()
-    if limit is not None:
-        room = min(room, max(0, limit - (usage or 0)))
+    mem = system_memory()
+    room = mem.available
+    if mem.cgroup_limit is not None:
+        room = min(room, max(0, mem.cgroup_limit - (mem.cgroup_usage or 0)))
     return min(fixed, room) if fixed > 0 else room * ratio // 100
 
 

@@ -11,11 +11,10 @@ plan holding them can be sent to another process.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..dtypes import itemsize, name_of
+from ..dtypes import Shaped, itemsize, name_of
 from ..ranges import numel as ranges_numel
 from ..ranges import paths as ranges_paths
 from ..ranges import stored_bytes
@@ -53,7 +52,7 @@ class StoredTensor:
 
 
 @dataclass(eq=False)
-class NewTensor:
+class NewTensor(Shaped):
     """A new contiguous tensor of ``dtype`` and ``shape`` whose bytes are ``ranges`` (stored ranges and
     zeros, cast to ``dtype`` when written) or, for small in-memory values, ``data``.
 
@@ -74,14 +73,6 @@ class NewTensor:
         if self.data is None and ranges_numel(self.ranges) != self.numel:
             raise ValueError(f"a new tensor of shape {list(self.shape)} needs {self.numel} elements; its ranges "
                              f"hold {ranges_numel(self.ranges)}")
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * itemsize(self.dtype)
 
     @property
     def read_bytes(self) -> int:
