@@ -1,10 +1,10 @@
-"""Throughput of ckptlib.casting (numpy) against torch's ``copy_`` on 16 MiB chunks (what the streaming
+"""Throughput of ckptlib.io.casting (numpy) against torch's ``copy_`` on 16 MiB chunks (what the streaming
 buffers hold: 4 Mi float32 elements).
 
     python bench/casting_bench.py [--reps 30]
 
 For each pair it times, on the same input: torch's ``out.copy_(chunk)`` with its default threads and with
-one thread, ckptlib.casting with one reused :class:`~ckptlib.casting.Scratch` (one thread), and the
+one thread, ckptlib.io.casting with one reused :class:`~ckptlib.io.casting.Scratch` (one thread), and the
 same split over two threads (numpy releases the GIL; the caller gives each half its own scratch).
 Single-threaded runs are timed by the process's CPU time (robust to other load on the machine), the
 multi-threaded ones by wall time.
@@ -55,8 +55,8 @@ def main(argv=None) -> int:
     default_threads = torch.get_num_threads()
     print(f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}, {default_threads} threads), "
           f"numpy {np.__version__}; {CHUNK >> 20} MiB of float32 per chunk; GB/s of input, median of {args.reps}")
-    print(f"| cast | input | torch copy_ ({default_threads} threads) | torch copy_ (1 thread) | ckptlib.casting "
-          "(1 thread) | ckptlib.casting (2 threads) | time, ours / torch, 1 thread each |")
+    print(f"| cast | input | torch copy_ ({default_threads} threads) | torch copy_ (1 thread) | ckptlib.io.casting "
+          "(1 thread) | ckptlib.io.casting (2 threads) | time, ours / torch, 1 thread each |")
     print("|---|---|---|---|---|---|---|")
     pairs = [("float32", "bfloat16", casting.f32_to_bf16), ("float32", "float16", casting.f32_to_f16),
              ("bfloat16", "float32", casting.bf16_to_f32), ("float16", "float32", casting.f16_to_f32)]

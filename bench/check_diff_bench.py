@@ -27,7 +27,7 @@ PY = sys.executable
 MIB = 2**20
 TOOLS = ("export", "check", "check-states", "diff")
 BASELINES = {"export": "import ckptlib.cli, ckptlib.export, numpy",  # what `ckpt export -q` imports (no torch)
-             "checkdiff": "import ckptlib.cli, ckptlib.health, ckptlib.tensordiff, ckptlib.scan, tqdm, numpy"}
+             "checkdiff": "import ckptlib.cli, ckptlib.analysis.health, ckptlib.analysis.tensordiff, ckptlib.analysis.scan, tqdm, numpy"}
 LABELS = {"export": "ckpt export CKPT OUT", "check": "ckpt check CKPT", "check-states": "ckpt check CKPT --states",
           "diff": "ckpt diff CKPT OUT"}
 

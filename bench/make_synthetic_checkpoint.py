@@ -26,7 +26,7 @@ the 2-D weights with weight decay, the RMSNorm weights without):
   are cut as DeepSpeed cuts them (``sub_group_size`` 1e9).
 
 The CRC-32 of each zip member is the true CRC-32 of its (all-zero) data, computed from the CRC of one
-zero byte with :func:`ckptlib.torchzip.zipfmt.crc32_combine` by doubling, so ``zipfile.testzip`` and
+zero byte with :func:`ckptlib.io.torchzip.zipfmt.crc32_combine` by doubling, so ``zipfile.testzip`` and
 ``torch.load`` accept the files too (ckptlib's reader does not check member CRCs). The pickles come from
 the small emitter below (no torch, no DeepSpeed import): it writes the opcodes ``torch.save`` writes,
 memo included, naming torch's rebuild functions and DeepSpeed's classes as globals.
@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ckptlib.torchzip.zipfmt import central_directory, crc32_combine, layout_records, local_header  # noqa: E402
+from ckptlib.io.torchzip.zipfmt import central_directory, crc32_combine, layout_records, local_header  # noqa: E402
 
 DS_VERSION = "0.19.8"
 SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's default zero_optimization.sub_group_size

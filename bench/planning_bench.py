@@ -191,7 +191,7 @@ def main(argv=None) -> int:
     (args.work / "profiles").mkdir(exist_ok=True)
     res_path = args.work / "planning.json"
     saved = json.loads(res_path.read_text()) if res_path.is_file() else {"runs": []}
-    base = measure([PY, "-c", "import ckptlib.cli, ckptlib.export, ckptlib.reshard, ckptlib.summary"],
+    base = measure([PY, "-c", "import ckptlib.cli, ckptlib.export, ckptlib.reshard, ckptlib.analysis.summary"],
                    args.timeout, args.rounds)
     print(f"ckptlib at {source_state()}; import baseline: {base['wall']:.2f} s wall, {base['cpu']:.2f} s CPU, "
           f"RssAnon {base['peak_anon'] / 2**20:.0f} MiB, peak RSS {base['max_rss'] / 2**20:.0f} MiB", flush=True)

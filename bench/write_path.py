@@ -3,8 +3,8 @@
     python bench/write_path.py --gib 3.5 --rounds 2
 
 Writes the same bytes from one 16 MiB buffer, then ``fsync``: in 16 MiB ``pwrite`` calls, in 1 MiB
-calls (:data:`ckptlib.sinks.WRITE_SLICE`), and in 1 MiB calls with
-:class:`ckptlib.sinks.WriteBehind` (writeback started per 16 MiB window, pages dropped once
+calls (:data:`ckptlib.io.sinks.WRITE_SLICE`), and in 1 MiB calls with
+:class:`ckptlib.io.sinks.WriteBehind` (writeback started per 16 MiB window, pages dropped once
 written). Rounds alternate the modes; times include the ``fsync``; the file is deleted between runs.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ckptlib.sinks import WriteBehind, pwrite_all  # noqa: E402
+from ckptlib.io.sinks import WriteBehind, pwrite_all  # noqa: E402
 
 CHUNK = 16 * 2**20
 

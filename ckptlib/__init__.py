@@ -13,6 +13,20 @@ Public API::
 
     health = ckptlib.check("output/checkpoint-500")           # statistics and problems, streamed
     d = ckptlib.diff("output/checkpoint-500", "out")          # any two checkpoints / exports, tensor by tensor
+
+The house, lowest layer first (a package imports only its own layer and those below; tests/test_structure.py):
+
+    errors, units, dtypes, mesh, progress   the shared vocabulary (modules here at the top)
+    layout/      pure arithmetic: ranges, ZeRO's flat groups and partitions, placement of parallel blocks
+    plan         plans as plain data (a module here at the top)
+    system/      the machine: memory, allocation failures, the garbage collector
+    io/          the bytes path: sources, sinks, streaming, casts, safetensors, torch zip files, atomic output
+    deepspeed/   DeepSpeed's files read into one model of a checkpoint (and the HF clients' side files)
+    analysis/    inspect's summary, check, diff, verification
+    execute/     the one runner (threads, processes, torchrun)
+    export/, reshard/   planners of the conversions
+    this module  the public API, loaded lazily
+    ui/, cli/, __main__   the faces: notebook widgets, the ``ckpt`` command and its launcher
 """
 import importlib
 import sys
@@ -34,11 +48,11 @@ _API = {
     ".reshard": ("ReshardPlan", "ReshardResult", "UniversalPlan", "UniversalResult", "plan_reshard", "plan_universal",
                  "reshard", "write_universal"),
     ".execute": ("RunResult", "run", "run_distributed"),
-    ".summary": ("describe",),
-    ".verify": ("Preflight", "Verification", "preflight", "verify"),
-    ".health": ("CheckPlan", "CheckResult", "check", "plan_check"),
-    ".tensordiff": ("DiffPlan", "DiffResult", "diff", "plan_diff"),
-    ".tensorsets": ("TensorSet", "open_tensor_set"),
+    ".analysis.summary": ("describe",),
+    ".analysis.verify": ("Preflight", "Verification", "preflight", "verify"),
+    ".analysis.health": ("CheckPlan", "CheckResult", "check", "plan_check"),
+    ".analysis.tensordiff": ("DiffPlan", "DiffResult", "diff", "plan_diff"),
+    ".analysis.tensorsets": ("TensorSet", "open_tensor_set"),
 }
 _SOURCE = {name: module for module, names in _API.items() for name in names}
 

@@ -5,11 +5,11 @@ can tell whether the checkpoint changed since), its output folder and the files 
 
 - :class:`WeightsFile` — a safetensors or torch file of named tensors (an export's shards);
 - :class:`TreeFile` — a torch file written from an object tree whose tensors are plain specs
-  (:mod:`ckptlib.torchzip.specs`; a reshard's rank files, a universal checkpoint's fragments);
+  (:mod:`ckptlib.io.torchzip.specs`; a reshard's rank files, a universal checkpoint's fragments);
 - :class:`CopyFile` — a file copied as it is;
 - :class:`TextFile` — small text written after everything else, in order (``latest``, index files).
 
-Every tensor's bytes are a range list (:mod:`ckptlib.ranges`): file paths and byte offsets, read only
+Every tensor's bytes are a range list (:mod:`ckptlib.layout.ranges`): file paths and byte offsets, read only
 when the file is written. There is no open file, lock, closure or live context in a plan: it pickles,
 prints, and runs in another process as it is (:mod:`ckptlib.execute`). Nothing here does I/O.
 """
@@ -20,11 +20,18 @@ from pathlib import Path
 from typing import Any, ClassVar, Optional
 
 from .dtypes import Shaped
-from .ranges import stored_bytes
-from .streaming import predicted_peak_bytes
+from .layout.ranges import stored_bytes
 from .units import human_bytes
 
 THREADS, PROCESSES = "threads", "processes"
+DEFAULT_CHUNK_BYTES = 16 * 2**20
+FIXED_OVERHEAD_BYTES = 8 * 2**20  # allowance for the plan's object trees, the cast scratch and bookkeeping
+
+
+def predicted_peak_bytes(chunk_bytes: int, threads: int = 1) -> int:
+    """What a streaming run adds to a process: each writing thread's chunk buffers (two read-ahead, one
+    cast; storage copies use the same: :class:`ckptlib.io.streaming.ChunkBuffers`) plus a fixed allowance."""
+    return threads * 3 * chunk_bytes + FIXED_OVERHEAD_BYTES
 
 
 @dataclass(frozen=True)
@@ -53,7 +60,7 @@ class SourceRef:
 
 @dataclass
 class PlannedTensor(Shaped):
-    """One output tensor of an export and where its bytes come from (``ranges``, see :mod:`ckptlib.ranges`)."""
+    """One output tensor of an export and where its bytes come from (``ranges``, see :mod:`ckptlib.layout.ranges`)."""
 
     name: str                 # key in the output state dict
     source: str               # parameter or buffer name in the checkpoint

@@ -62,7 +62,7 @@ def main() -> int:
 
     from ckptlib import cli
 
-    verify_module = importlib.import_module("ckptlib.verify")  # the module (ckptlib.verify is the function)
+    verify_module = importlib.import_module("ckptlib.analysis.verify")  # the module (ckptlib.verify is the function)
     from ckptlib.execute import runner
 
     verified: list = []

@@ -1,4 +1,4 @@
-"""ckptlib.casting (numpy only) against torch's own CPU casts, byte for byte.
+"""ckptlib.io.casting (numpy only) against torch's own CPU casts, byte for byte.
 
 Exhaustive for the 16-bit types (all 2^16 bit patterns of bfloat16 and float16, to float32, to the other
 16-bit type, and back from float32); float32 inputs by hypothesis over bit patterns, a few million
@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptlib import casting
-from ckptlib.casting import (CASTS, Scratch, bf16_to_f16, bf16_to_f32, can_cast, cast, f16_to_bf16, f16_to_f32,
+from ckptlib.io.casting import (CASTS, Scratch, bf16_to_f16, bf16_to_f32, can_cast, cast, f16_to_bf16, f16_to_f32,
                              f32_to_bf16, f32_to_f16)
 
 NP_BITS = {"float32": np.uint32, "bfloat16": np.uint16, "float16": np.uint16}
@@ -156,7 +156,7 @@ def test_float16_nans_to_float32_take_the_form_of_torchs_vector_kernels():
     """torch 2.13 is not consistent here: its vector kernels quiet a float16 NaN keeping sign and payload
     (``sign | 0x7FC00000 | payload << 13``), while the elements its kernel converts one by one (the last
     ``n % 8`` of each thread's share, so every element of a tensor shorter than 8) all become
-    ``0x7FFFFFFF``. ckptlib.casting writes the first form at every position (as does every other pair,
+    ``0x7FFFFFFF``. ckptlib.io.casting writes the first form at every position (as does every other pair,
     where torch is consistent)."""
     nans = ALL16[(ALL16 & 0x7C00 == 0x7C00) & (ALL16 & 0x3FF != 0)]
     u = nans.astype(np.uint32)
@@ -243,9 +243,9 @@ def test_the_module_does_not_import_torch():
                                      ("float32", "bfloat16"), ("bfloat16", "float32"), ("int32", "int64"),
                                      ("bool", "int64"), ("uint8", "float32"), ("int64", "float32")])
 def test_cast_values_writes_what_torch_writes(src, dst):
-    """ckptlib.compare.cast_values (numpy windows; what check, diff and verify cast with) against torch's
+    """ckptlib.analysis.compare.cast_values (numpy windows; what check, diff and verify cast with) against torch's
     ``.to()``, byte for byte, on values with edge cases, across more than one float32 block."""
-    from ckptlib.compare import cast_values, np_type
+    from ckptlib.analysis.compare import cast_values, np_type
 
     g = torch.Generator().manual_seed(3)
     n = casting.BLOCK + 4321

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from ckptlib.cli import main
-from ckptlib.torchzip import open_torch_file
-from ckptlib.torchzip.writer import NewTensor, save
+from ckptlib.io.torchzip import open_torch_file
+from ckptlib.io.torchzip.writer import NewTensor, save
 from tests.hostile import marker_payload, write_torch_zip
 
 

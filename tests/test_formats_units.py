@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from ckptlib import dtypes
-from ckptlib.stformat import SafetensorsLayout, TensorSpec, read_header
+from ckptlib.io.stformat import SafetensorsLayout, TensorSpec, read_header
 from ckptlib.units import human_bytes, parse_size
 
 

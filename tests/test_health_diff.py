@@ -20,9 +20,9 @@ import torch
 import ckptlib
 from ckptlib.cli import main as ckpt_main
 from ckptlib.mesh import Rank
-from ckptlib.tensorstats import RunningStats
-from ckptlib.torchzip import open_torch_file
-from ckptlib.torchzip.writer import save
+from ckptlib.analysis.tensorstats import RunningStats
+from ckptlib.io.torchzip import open_torch_file
+from ckptlib.io.torchzip.writer import save
 
 OLD = Path(__file__).parent / "data" / "old_releases"
 

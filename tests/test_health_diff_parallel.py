@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import ckptlib
-from ckptlib.healthrules import replica_pairs, saved_weights_view
-from ckptlib.torchzip import open_torch_file
-from ckptlib.torchzip.writer import save
+from ckptlib.analysis.healthrules import replica_pairs, saved_weights_view
+from ckptlib.io.torchzip import open_torch_file
+from ckptlib.io.torchzip.writer import save
 from tests.test_health_diff import _cli, _same_stats, _strict_json, _write
 
 STATES = ("exp_avg", "exp_avg_sq")

@@ -4,7 +4,7 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptlib.layout import FlatGroupLayout, Zero3Layout, chunk_size, zero3_real_counts
+from ckptlib.layout.flat import FlatGroupLayout, Zero3Layout, chunk_size, zero3_real_counts
 
 # Appendix A of the format notes (real files, N=3): emb 370, l1.weight 70, l1.bias 7, l2.weight 185.
 PARAMS = [("emb", (37, 10)), ("l1.weight", (7, 10)), ("l1.bias", (7,)), ("l2.weight", (37, 5))]
@@ -83,7 +83,7 @@ def test_zero3_pieces_tile_every_parameter(groups, n):
 
 
 # ------------------------------------------------------------------------------------- N -> M re-slicing
-from ckptlib.layout import Zeros, reslice_flat, reslice_zero3, zero3_sub_groups  # noqa: E402
+from ckptlib.layout.flat import Zeros, reslice_flat, reslice_zero3, zero3_sub_groups  # noqa: E402
 
 
 def _flat_buffers(lay, padded):
@@ -163,7 +163,7 @@ def test_zero3_sub_groups_follow_deepspeed_rule():
 @settings(max_examples=100, deadline=None)
 @given(shapes=shapes, n=st.integers(1, 512), m=st.integers(1, 512))
 def test_round_robin_reslice_n_to_m_to_n_is_identity(shapes, n, m):
-    from ckptlib.layout import reslice_by_params, round_robin_order
+    from ckptlib.layout.flat import reslice_by_params, round_robin_order
 
     natural = [(f"p{i}", s) for i, s in enumerate(shapes)]
     a, b = (FlatGroupLayout.build([natural[i] for i in round_robin_order(len(natural), w)], w) for w in (n, m))

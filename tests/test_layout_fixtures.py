@@ -1,7 +1,7 @@
 """The pure layout arithmetic reproduces what DeepSpeed itself recorded in every real fixture."""
 import ckptlib
 from ckptlib.deepspeed import BF16_OPTIMIZER, NO_ZERO
-from ckptlib.layout import chunk_size, zero3_sub_groups
+from ckptlib.layout.flat import chunk_size, zero3_sub_groups
 from ckptlib.mesh import Rank
 
 

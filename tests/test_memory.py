@@ -1,4 +1,4 @@
-"""ckptlib.memory: process and system memory, the sampler, watch_memory, the verdict, the plot; and
+"""ckptlib.system.memory: process and system memory, the sampler, watch_memory, the verdict, the plot; and
 export/reshard results carrying their measured peak."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 import ckptlib
 from ckptlib import memory as mem
-from ckptlib.memory import (MemoryReport, MemorySampler, ProcessMemory, SystemMemory, cgroup_memory, memory_verdict,
+from ckptlib.system.memory import (MemoryReport, MemorySampler, ProcessMemory, SystemMemory, cgroup_memory, memory_verdict,
                             process_memory, system_memory)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,7 +52,7 @@ def _fresh(code: str) -> None:
 def test_anonymous_memory_grows_with_an_allocation():
     _fresh("""
         import torch
-        from ckptlib.memory import process_memory
+        from ckptlib.system.memory import process_memory
         MIB = 2**20
         before = process_memory().anon
         block = torch.ones(64 * MIB // 4)  # touched: resident
@@ -135,7 +135,7 @@ def test_sampler_thread_samples_and_stops():
 def test_watch_memory_reports_the_peak_of_the_block():
     _fresh("""
         import time, torch
-        from ckptlib.memory import MemoryReport, watch_memory
+        from ckptlib.system.memory import MemoryReport, watch_memory
         MIB = 2**20
         with watch_memory(interval=0.02) as w:
             block = torch.ones(96 * MIB // 4)
@@ -153,7 +153,7 @@ def test_watch_memory_reports_the_peak_of_the_block():
 def test_watch_memory_catches_a_peak_between_samples_at_the_end():
     _fresh("""
         import torch
-        from ckptlib.memory import watch_memory
+        from ckptlib.system.memory import watch_memory
         MIB = 2**20
         with watch_memory(interval=10) as w:  # the thread never gets a second sample: the end sample counts
             block = torch.ones(64 * MIB // 4)
@@ -263,7 +263,7 @@ def test_importing_the_library_starts_no_process():
         "def spy(self, *a, **k):\n"
         "    calls.append(a[:1]); return orig(self, *a, **k)\n"
         "subprocess.Popen.__init__ = spy\n"
-        "import ckptlib, ckptlib.cli, ckptlib.export, ckptlib.reshard, ckptlib.streaming, ckptlib.torchzip.writer\n"
+        "import ckptlib, ckptlib.cli, ckptlib.export, ckptlib.reshard, ckptlib.io.streaming, ckptlib.io.torchzip.writer\n"
         "print(calls)\n")
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

@@ -150,7 +150,7 @@ def test_running_out_of_memory_is_one_line(fixture_by_name, tmp_path):
     code = textwrap.dedent(f"""
         import resource, sys
         import torch, ckptlib, ckptlib.cli, ckptlib.execute  # everything a run imports
-        from ckptlib.memory import _read_status
+        from ckptlib.system.memory import _read_status
         used = _read_status()["VmData"]
         resource.setrlimit(resource.RLIMIT_DATA, (used + 24 * 2**20, resource.getrlimit(resource.RLIMIT_DATA)[1]))
         sys.exit(ckptlib.cli.main(["export", {str(src)!r}, {str(out)!r}, "-q"]))
@@ -166,7 +166,7 @@ def test_running_out_of_memory_is_one_line(fixture_by_name, tmp_path):
 
 
 def test_a_memory_verdict_counts_the_process_limits():
-    from ckptlib.memory import SystemMemory, memory_verdict
+    from ckptlib.system.memory import SystemMemory, memory_verdict
 
     system = SystemMemory(total=8 << 30, available=6 << 30, data_limit=300 << 20, data_used=280 << 20)
     assert system.headroom == 20 << 20 and "ulimit -d" in system.bound_by

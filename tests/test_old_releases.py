@@ -25,8 +25,8 @@ import ckptlib
 from ckptlib.cli import main as ckpt_main
 from ckptlib.export import export
 from ckptlib.reshard import reshard
-from ckptlib.torchzip import open_torch_file
-from ckptlib.torchzip.writer import NewTensor, save
+from ckptlib.io.torchzip import open_torch_file
+from ckptlib.io.torchzip.writer import NewTensor, save
 from tests.fixtures.model import FixtureNet
 from tests.old_releases.releases import RELEASES, TORCH, configs
 from tests.test_export import check_against_reference, load_output

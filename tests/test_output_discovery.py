@@ -5,7 +5,7 @@ import pytest
 
 from ckptlib.deepspeed.discovery import detect, locate
 from ckptlib.errors import NotACheckpointError, OutputError
-from ckptlib.output import LOCK_SUFFIX, TMP_MARK, AtomicOutputDir
+from ckptlib.io.output import LOCK_SUFFIX, TMP_MARK, AtomicOutputDir
 
 
 # ============================================================================================ output folders

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ckptlib
-from ckptlib.stformat import read_header
+from ckptlib.io.stformat import read_header
 
 ROOT = Path(__file__).resolve().parents[1]
 

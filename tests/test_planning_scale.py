@@ -21,11 +21,11 @@ import pytest
 
 import ckptlib
 from ckptlib.errors import IncompleteCheckpointError
-from ckptlib.ranges import StoredRange, Zeros, numel, range_starts, slice_ranges
+from ckptlib.layout.ranges import StoredRange, Zeros, numel, range_starts, slice_ranges
 from ckptlib.reshard.trees import tree_file
-from ckptlib.torchzip import NewTensor, PickleMemo, TensorHandle, TorchFile, open_torch_file
-from ckptlib.torchzip.trees import walk_tensors
-from ckptlib.torchzip.writer import save
+from ckptlib.io.torchzip import NewTensor, PickleMemo, TensorHandle, TorchFile, open_torch_file
+from ckptlib.io.torchzip.trees import walk_tensors
+from ckptlib.io.torchzip.writer import save
 
 from .test_synthetic_checkpoint import TINY, synth
 

@@ -77,7 +77,7 @@ def _flip(path, offset) -> None:
 
 
 def test_verification_names_the_tensor_that_differs(fixture_by_name, tmp_path):
-    from ckptlib.stformat import read_header
+    from ckptlib.io.stformat import read_header
 
     fx = fixture_by_name("z2_bf16_w3")
     plan = ckptlib.plan_export(fx["checkpoint_path"], tmp_path / "export")
@@ -162,8 +162,8 @@ def test_refused_layouts_are_unsupported_and_broken_ones_incomplete(fixture_by_n
 def test_shared_verifications_join_into_the_single_one(fixture_by_name, tmp_path):
     """Processes that share a verification (each compares every n-th tensor) give, joined, what one process
     finds: the same checks, the same damaged tensors, and the bytes compared split between them."""
-    from ckptlib.stformat import read_header
-    from ckptlib.verify import Share, merge_verifications, verify
+    from ckptlib.io.stformat import read_header
+    from ckptlib.analysis.verify import Share, merge_verifications, verify
 
     fx = fixture_by_name("z2_bf16_w3")
     plans = [ckptlib.plan_export(fx["checkpoint_path"], tmp_path / "export", states=["exp_avg"]),
@@ -191,7 +191,7 @@ def test_shared_verifications_join_into_the_single_one(fixture_by_name, tmp_path
 
 
 def test_a_share_that_could_not_run_fails_the_joined_verification(tmp_path):
-    from ckptlib.verify import Check, Verification, merge_verifications
+    from ckptlib.analysis.verify import Check, Verification, merge_verifications
 
     ok = Verification(out=tmp_path, checks=[Check("a", True), Check("b", True, "3 of 3", total=3)], bytes_compared=8)
     failed = Verification(out=tmp_path, checks=[Check("rank 1 verified its share", False, "OSError: gone")])

@@ -10,11 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptlib.errors import IncompleteCheckpointError
-from ckptlib.ranges import StoredRange, Zeros, numel, paths, slice_ranges, stored_bytes
-from ckptlib.sinks import PwriteSink
-from ckptlib.sources import SourceFiles, check_unchanged, stamp
-from ckptlib.streaming import ChunkBuffers, copy_ranges, read_ranges
-from ckptlib.torchzip import open_torch_file
+from ckptlib.layout.ranges import StoredRange, Zeros, numel, paths, slice_ranges, stored_bytes
+from ckptlib.io.sinks import PwriteSink
+from ckptlib.io.sources import SourceFiles, check_unchanged, stamp
+from ckptlib.io.streaming import ChunkBuffers, copy_ranges, read_ranges
+from ckptlib.io.torchzip import open_torch_file
 
 
 def test_slice_ranges_cuts_stored_ranges_and_zeros():

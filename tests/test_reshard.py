@@ -9,8 +9,8 @@ import torch
 
 import ckptlib
 from ckptlib.reshard import plan_reshard, reshard
-from ckptlib.torchzip import TensorHandle, open_torch_file
-from ckptlib.torchzip.writer import NewTensor, save
+from ckptlib.io.torchzip import TensorHandle, open_torch_file
+from ckptlib.io.torchzip.writer import NewTensor, save
 from tests.fixtures.compare import (FP32_ATOL, HALF_RTOL, assert_masters_and_moments_equal, continuation_error,
                                    reference)
 from tests.fixtures.load_runner import job_for_fixture, run_load_checks
@@ -200,7 +200,7 @@ def test_parallel_writers_write_the_same_bytes_as_one(fixture_by_name, tmp_path,
 def test_a_failing_writer_thread_stops_the_others_and_leaves_nothing(fixture_by_name, tmp_path):
     import threading
 
-    from ckptlib.ranges import StoredRange
+    from ckptlib.layout.ranges import StoredRange
 
     src = fixture_by_name("z2_fp32_w4")["checkpoint_path"]
     plan = plan_reshard(src, tmp_path / "out", 2, workers=2, chunk_bytes=256)

@@ -16,10 +16,10 @@ from safetensors.torch import load_file
 
 import ckptlib
 from ckptlib.plan import PROCESSES, THREADS, CopyFile, Plan, PlannedTensor, SourceRef, TextFile, TreeFile, WeightsFile
-from ckptlib.ranges import StoredRange, Zeros
-from ckptlib.sources import stamp
-from ckptlib.torchzip import open_torch_file
-from ckptlib.torchzip.specs import NewTensor
+from ckptlib.layout.ranges import StoredRange, Zeros
+from ckptlib.io.sources import stamp
+from ckptlib.io.torchzip import open_torch_file
+from ckptlib.io.torchzip.specs import NewTensor
 
 
 def make_plan(tmp_path, out_name="out", **kw) -> tuple[Plan, dict]:

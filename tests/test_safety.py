@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ckptlib import UnsafeCheckpointError, UnsupportedCheckpointError, IncompleteCheckpointError
-from ckptlib.torchzip import open_torch_file
+from ckptlib.io.torchzip import open_torch_file
 from tests.hostile import marker_payload, write_torch_zip
 
 PAYLOADS = sorted(marker_payload(__import__("pathlib").Path("/x")))

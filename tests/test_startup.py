@@ -3,7 +3,7 @@
 ``ckpt inspect`` (text and JSON), ``export --plan``, ``reshard --plan`` and ``reshard --universal --plan``
 read pickles through the restricted unpickler, whose torch globals (``torch.Size``, ``torch.device``,
 dtypes, ``torch.FloatStorage``, the rebuild functions) resolve to ckptlib's own stand-ins; an export to
-safetensors (fp32, and cast to bf16/fp16 by ckptlib.casting) streams raw bytes. Each case runs the CLI
+safetensors (fp32, and cast to bf16/fp16 by ckptlib.io.casting) streams raw bytes. Each case runs the CLI
 in a fresh interpreter and asserts that ``torch`` is not in ``sys.modules`` at the end; the stack of the
 first torch import, if there was one, is in the failure message.
 """
@@ -118,9 +118,9 @@ def test_exports_made_without_torch_equal_torch_casts_of_the_masters(fixture_by_
 def test_torch_globals_resolve_to_standins_equal_to_torch_values(tmp_path):
     import torch
 
-    from ckptlib.torchzip import open_torch_file
-    from ckptlib.torchzip.standins import TorchDevice, TorchDType, TorchSize
-    from ckptlib.torchzip.writer import save
+    from ckptlib.io.torchzip import open_torch_file
+    from ckptlib.io.torchzip.standins import TorchDevice, TorchDType, TorchSize
+    from ckptlib.io.torchzip.writer import save
 
     obj = collections.OrderedDict(
         shapes=[collections.OrderedDict(w=torch.Size([3, 4]))], device=torch.device("cpu"),
@@ -151,7 +151,7 @@ def test_the_standins_keep_the_unpickler_restricted():
     a list of ints is refused, and a dtype name is not callable."""
     import io
 
-    from ckptlib.torchzip.unpickler import SafeUnpickler
+    from ckptlib.io.torchzip.unpickler import SafeUnpickler
 
     def load(raw: bytes):
         return SafeUnpickler(io.BytesIO(raw), lambda *a: None, "x.pkl").load()
@@ -183,7 +183,7 @@ def test_an_fp32_export_loads_only_what_it_uses(fixture_by_name, tmp_path):
     assert report["code"] == 0 and (tmp_path / "o" / "model.safetensors").is_file()
     loaded = set(report["modules"])
     assert "ckptlib.export.plan" in loaded and "ckptlib.execute.runner" in loaded  # the watcher sees real imports
-    unused = {"ckptlib.health", "ckptlib.tensordiff", "ckptlib.verify", "ckptlib.compare", "ckptlib.reshard",
+    unused = {"ckptlib.analysis.health", "ckptlib.analysis.tensordiff", "ckptlib.analysis.verify", "ckptlib.analysis.compare", "ckptlib.reshard",
               "ckptlib.execute.processes", "multiprocessing", "concurrent.futures", "torch", "numpy"}
     assert not unused & loaded, sorted(unused & loaded)
 
@@ -191,12 +191,12 @@ def test_an_fp32_export_loads_only_what_it_uses(fixture_by_name, tmp_path):
 def test_api_functions_keep_their_names_beside_submodules_of_the_same_name():
     """``ckptlib.export``, ``.reshard`` and ``.verify`` are functions, also once the submodules of those
     names are imported (the import system records submodules as attributes of the package)."""
-    code = ("import ckptlib, ckptlib.verify, ckptlib.export.plan, ckptlib.reshard.universal, inspect\n"
+    code = ("import ckptlib, ckptlib.analysis.verify, ckptlib.export.plan, ckptlib.reshard.universal, inspect\n"
             "names = ['export', 'reshard', 'verify', 'check', 'diff', 'run', 'open_checkpoint', 'CkptError']\n"
             "assert all(callable(getattr(ckptlib, n)) and not inspect.ismodule(getattr(ckptlib, n)) for n in names)\n"
             "from ckptlib import *\n"
             "assert set(ckptlib.__all__) <= set(dir(ckptlib)) and plan_export and TensorSet\n"
-            "import sys; assert sys.modules['ckptlib.verify'].verify is ckptlib.verify\n"
+            "import sys; assert sys.modules['ckptlib.analysis.verify'].verify is ckptlib.verify\n"
             "try:\n    ckptlib.no_such_name\nexcept AttributeError as e:\n    assert 'no_such_name' in str(e)\n"
             "else:\n    raise SystemExit('no AttributeError')\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)

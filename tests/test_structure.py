@@ -104,9 +104,9 @@ def test_the_library_does_not_import_its_faces():
     them imports them."""
     graph = import_graph()
     for mod, targets in graph.items():
-        if mod.startswith(("ckptlib.ui", "ckptlib.cli", "ckptlib.__main__", "ckptlib.launch")):
+        if mod.startswith(("ckptlib.ui", "ckptlib.cli", "ckptlib.__main__")):
             continue
-        assert not {t for t in targets if t.startswith(("ckptlib.ui", "ckptlib.cli", "ckptlib.launch"))}, mod
+        assert not {t for t in targets if t.startswith(("ckptlib.ui", "ckptlib.cli", "ckptlib.__main__"))}, mod
 
 
 def test_modules_and_classes_stay_small():
@@ -151,3 +151,58 @@ def test_the_private_reach_finder_finds_them():
 def test_no_private_attribute_is_reached_from_another_module():
     offences = private_reaches(_modules())
     assert not offences, offences
+
+
+#: ckptlib's layers, lowest first: a module imports only modules of its own layer and of the layers below
+#: (each package's docstring says the same). The vocabulary at the package's top is the floor; the public
+#: API (``ckptlib/__init__.py``, which loads its names lazily) and the faces (ui, cli, the launcher) the roof.
+LAYERS = [
+    ("vocabulary", ("ckptlib.errors", "ckptlib.units", "ckptlib.dtypes", "ckptlib.mesh", "ckptlib.progress")),
+    ("layout", ("ckptlib.layout",)),
+    ("plan", ("ckptlib.plan",)),
+    ("system", ("ckptlib.system",)),
+    ("io", ("ckptlib.io",)),
+    ("formats", ("ckptlib.deepspeed",)),
+    ("analysis", ("ckptlib.analysis",)),
+    ("execute", ("ckptlib.execute",)),
+    ("conversions", ("ckptlib.export", "ckptlib.reshard")),
+    ("api", ("ckptlib",)),
+    ("faces", ("ckptlib.ui", "ckptlib.cli", "ckptlib.__main__")),
+]
+ROOT_MODULES_MAX = 8
+
+
+def layer_of(module: str) -> int:
+    best, level = -1, None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > best:
+                best, level = len(p), i
+    assert level is not None, f"{module} belongs to no layer: add it to LAYERS"
+    return level
+
+
+def layering_offences(graph: dict[str, set[str]]) -> list[str]:
+    """Imports that point up: ``a -> b`` where b's layer is above a's."""
+    return sorted(f"{a} ({LAYERS[layer_of(a)][0]}) imports {b} ({LAYERS[layer_of(b)][0]})"
+                  for a, targets in graph.items() for b in targets if layer_of(b) > layer_of(a))
+
+
+def test_the_layering_check_finds_an_upward_import():
+    graph = {"ckptlib.io.sinks": {"ckptlib.deepspeed.files"}, "ckptlib.deepspeed.files": {"ckptlib.io.sinks"}}
+    assert layering_offences(graph) == ["ckptlib.io.sinks (io) imports ckptlib.deepspeed.files (formats)"]
+
+
+def test_a_package_imports_only_its_own_layer_and_the_layers_below():
+    graph = import_graph()
+    assert all(layer_of(m) is not None for m in graph)  # every module has a layer
+    assert graph["ckptlib.io.streaming"] >= {"ckptlib.layout.ranges", "ckptlib.plan"}  # edges across layers seen
+    assert layering_offences(graph) == []
+
+
+def test_the_root_holds_the_vocabulary_and_the_api_only():
+    root = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(root) <= ROOT_MODULES_MAX, root
+    for pkg in sorted(p for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()):
+        doc = ast.get_docstring(ast.parse((pkg / "__init__.py").read_text()))
+        assert doc and "import" in doc, f"{pkg.name}/__init__.py: say what the package holds and what it may import"

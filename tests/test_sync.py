@@ -10,11 +10,11 @@ import pytest
 
 import ckptlib
 import ckptlib.execute.writers as writers
-import ckptlib.sinks as sinks
-from ckptlib.output import AtomicOutputDir
+import ckptlib.io.sinks as sinks
+from ckptlib.io.output import AtomicOutputDir
 from ckptlib.execute.writers import kernel_writeback_threshold
-from ckptlib.memory import cgroup_memory
-from ckptlib.sinks import UnsyncedBudget, WriteBehind
+from ckptlib.system.memory import cgroup_memory
+from ckptlib.io.sinks import UnsyncedBudget, WriteBehind
 
 
 def files_under(root):

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import ckptlib
-from ckptlib.torchzip import TensorHandle, open_torch_file
-from ckptlib.torchzip.standins import Standin
+from ckptlib.io.torchzip import TensorHandle, open_torch_file
+from ckptlib.io.torchzip.standins import Standin
 
 spec = importlib.util.spec_from_file_location("make_synthetic_checkpoint",
                                               Path(__file__).resolve().parents[1] / "bench" / "make_synthetic_checkpoint.py")

@@ -4,9 +4,9 @@ import glob
 import pytest
 import torch
 
-from ckptlib.ranges import Zeros
-from ckptlib.torchzip import open_torch_file
-from ckptlib.torchzip.writer import NewTensor, save
+from ckptlib.layout.ranges import Zeros
+from ckptlib.io.torchzip import open_torch_file
+from ckptlib.io.torchzip.writer import NewTensor, save
 
 
 def _raw(t):
@@ -81,8 +81,8 @@ import zlib  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from ckptlib.sinks import WriteBehind  # noqa: E402
-from ckptlib.torchzip.zipfmt import crc32_combine  # noqa: E402
+from ckptlib.io.sinks import WriteBehind  # noqa: E402
+from ckptlib.io.torchzip.zipfmt import crc32_combine  # noqa: E402
 
 
 @settings(max_examples=300, deadline=None)
@@ -180,7 +180,7 @@ def test_write_behind_keeps_every_byte(tmp_path, window, lag):
 
 @pytest.mark.parametrize("setting,expect_calls", [("1", True), ("0", False)])
 def test_write_behind_hands_windows_to_the_disk_unless_turned_off(tmp_path, monkeypatch, setting, expect_calls):
-    import ckptlib.sinks as sinks
+    import ckptlib.io.sinks as sinks
 
     calls = []
     monkeypatch.setattr(sinks, "_sync_file_range", lambda fd, off, n, flags: calls.append((off, n, flags)))

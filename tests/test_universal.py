@@ -33,11 +33,11 @@ import pytest
 import torch
 
 import ckptlib
-from ckptlib.layout import zero3_sub_groups
+from ckptlib.layout.flat import zero3_sub_groups
 from ckptlib.reshard import reshard
 from ckptlib.reshard import LATEST_UNIVERSAL, plan_universal, write_universal
 from ckptlib.progress import Observer
-from ckptlib.torchzip import Standin, TensorHandle, open_torch_file
+from ckptlib.io.torchzip import Standin, TensorHandle, open_torch_file
 from tests.fixtures.compare import (FP32_ATOL, HALF_RTOL, assert_masters_and_moments_equal, continuation_error,
                                    reference)
 from tests.fixtures.load_check import LR

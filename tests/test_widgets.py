@@ -14,7 +14,7 @@ pytest.importorskip("matplotlib")
 
 import ckptlib  # noqa: E402
 from ckptlib import ui  # noqa: E402
-from ckptlib.memory import MemoryReport  # noqa: E402
+from ckptlib.system.memory import MemoryReport  # noqa: E402
 from ckptlib.ui import CheckpointBrowser, ExportWizard, LayoutView, MemoryMonitor, ReshardWizard  # noqa: E402
 from ckptlib.ui.common import WidgetObserver  # noqa: E402
 

@@ -1,4 +1,8 @@
-"""DeepSpeed knowledge: file names, finding checkpoints, the checkpoint model (reading only)."""
+"""DeepSpeed knowledge: file names, finding checkpoints, the checkpoint model (reading only), and the files
+the clients (HF Trainer, Accelerate) keep beside a checkpoint (:mod:`.hf`).
+
+May import: :mod:`ckptlib.io` and every layer below it (system, plan, layout, the vocabulary).
+"""
 from .checkpoint import Checkpoint, open_checkpoint
 from .discovery import Location, locate
 from .records import BF16_OPTIMIZER, NO_ZERO, ZERO, BufferInfo, FileInfo, OptimizerInfo, ParameterInfo, Records

@@ -14,14 +14,14 @@ import os
 from typing import Optional, Union
 
 from ..errors import IncompleteCheckpointError, UnsupportedCheckpointError
-from ..gcpause import gc_paused
-from ..layout import Piece
+from ..io.sources import SourceFiles, stamp
+from ..io.streaming import read_ranges
+from ..io.torchzip import TensorHandle, TorchFile
+from ..layout.flat import Piece
+from ..layout.ranges import StoredRange
 from ..mesh import Rank
 from ..plan import SourceRef
-from ..ranges import StoredRange
-from ..sources import SourceFiles, stamp
-from ..streaming import read_ranges
-from ..torchzip import TensorHandle, TorchFile
+from ..system.gcpause import gc_paused
 from .discovery import Location, locate, repair_hint
 from .fileset import OpenedFiles
 from .join import PIPELINE, RULES_HINT, join
@@ -232,7 +232,7 @@ class Checkpoint:
         return zs
 
     def pieces(self, name: str) -> list[Piece]:
-        """Where the fp32 master of a trainable parameter lives in the first set (see :mod:`ckptlib.layout`)."""
+        """Where the fp32 master of a trainable parameter lives in the first set (see :mod:`ckptlib.layout.flat`)."""
         return self.main.pieces(name)
 
     def partition_tensor(self, rank: Rank, group: int, state: Optional[str] = None) -> TensorHandle:

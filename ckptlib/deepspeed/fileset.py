@@ -5,7 +5,7 @@ import os
 from typing import Optional
 
 from ..errors import CkptError, UnsafeCheckpointError
-from ..torchzip import PickleMemo, ReadStats, TorchFile
+from ..io.torchzip import PickleMemo, ReadStats, TorchFile
 from . import files as fnames
 from .discovery import Location
 from .records import FileInfo
@@ -28,7 +28,7 @@ def list_files(location: Location) -> list[FileInfo]:
 class OpenedFiles:
     """Opens the pickles of a tag folder's files on demand, once each (a file whose pickle repeats one
     already read is checked without unpickling it again until its tree is used:
-    :class:`~ckptlib.torchzip.PickleMemo`).
+    :class:`~ckptlib.io.torchzip.PickleMemo`).
 
     A file that cannot be read becomes a problem (``problems``, one sentence naming it) and ``None``;
     a hostile pickle stops everything (:class:`~ckptlib.errors.UnsafeCheckpointError`).

@@ -1,7 +1,7 @@
 """The full model of a checkpoint, joined from its ZeRO sets: names, shapes, and where every element is.
 
 A :class:`ModelView` lists the model's parameters and buffers as the un-parallelised model names them
-(full shapes) and, for each, the blocks (:mod:`ckptlib.placement`) that the stored tensors supply:
+(full shapes) and, for each, the blocks (:mod:`ckptlib.layout.placement`) that the stored tensors supply:
 one block from the set that holds it (data parallel, pipeline stages), shards joined by split rules
 (tensor parallel), experts under their global ids (MoE). :meth:`ModelView.sources` turns that into
 the stored byte ranges of the full tensor (metadata only); tensors stored more than once (replicated
@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Optional
 
-from ..placement import Block, row_major_strides, runs
-from ..ranges import range_starts, slice_ranges
+from ..layout.placement import Block, row_major_strides, runs
+from ..layout.ranges import range_starts, slice_ranges
 from .records import BufferInfo, NameIndex, ParameterInfo
 
 #: resolves a block's source (and an optimizer state key, None for the weight) to its local range list

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from ..torchzip import TensorHandle
+from ..io.torchzip import TensorHandle
 from . import files as fnames
 from .fileset import OpenedFiles
 

@@ -12,8 +12,8 @@ from typing import Optional
 
 from ..dtypes import BY_NAME
 from ..errors import IncompleteCheckpointError, NotACheckpointError, UnsupportedCheckpointError
+from ..io.torchzip import TensorHandle
 from ..mesh import Rank
-from ..torchzip import TensorHandle
 from . import files as fnames
 from . import partitions
 from .fileset import OpenedFiles

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from ..errors import UnsupportedCheckpointError
-from ..layout import FlatGroupLayout, Zero3Layout
-from ..torchzip import TensorHandle
+from ..io.torchzip import TensorHandle
+from ..layout.flat import FlatGroupLayout, Zero3Layout
 from . import files as fnames
 from .fileset import OpenedFiles
 from .moe import expert_groups, expert_id, global_name

@@ -22,7 +22,7 @@ import re
 from typing import Optional
 
 from ..errors import IncompleteCheckpointError
-from ..torchzip import TensorHandle
+from ..io.torchzip import TensorHandle
 from . import files as fnames
 from .fileset import OpenedFiles
 from .values import get

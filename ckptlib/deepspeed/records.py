@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from ..layout import FlatGroupLayout, Zero3Layout
+from ..layout.flat import FlatGroupLayout, Zero3Layout
 
 Layout = Union[FlatGroupLayout, Zero3Layout]
 

@@ -6,7 +6,7 @@ from typing import Optional
 
 from ..dtypes import BY_SHORT
 from ..errors import UnsupportedCheckpointError
-from ..torchzip import TensorHandle
+from ..io.torchzip import TensorHandle
 from .records import NO_ZERO, ZERO, FileInfo, Records
 from .values import as_int
 

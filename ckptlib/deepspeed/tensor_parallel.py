@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..errors import CkptError, UnsupportedCheckpointError
-from ..placement import COLUMN, REPLICATED, ROW, VOCABULARY, Block, blocks_from_rule
+from ..layout.placement import COLUMN, REPLICATED, ROW, VOCABULARY, Block, blocks_from_rule
 from .model import ModelView
 from .records import BufferInfo, ParameterInfo
 

@@ -14,10 +14,10 @@ import dataclasses
 from typing import Optional
 
 from ..errors import IncompleteCheckpointError
-from ..layout import Piece
+from ..io.torchzip import TensorHandle, TorchFile
+from ..layout.flat import Piece
+from ..layout.ranges import StoredRange, Zeros
 from ..mesh import Rank
-from ..ranges import StoredRange, Zeros
-from ..torchzip import TensorHandle, TorchFile
 from . import files as fnames
 from .fileset import OpenedFiles
 from .records import NO_ZERO, BufferInfo, NameIndex, ParameterInfo, Records
@@ -95,7 +95,7 @@ class ZeroSet:
 
     # ================================================================== the partition API
     def pieces(self, name: str) -> list[Piece]:
-        """Where the fp32 master of a trainable parameter lives (see :mod:`ckptlib.layout`); ``Piece.rank``
+        """Where the fp32 master of a trainable parameter lives (see :mod:`ckptlib.layout.flat`); ``Piece.rank``
         is the data rank in this set."""
         p = self.param(name)
         if p.tied_to:
@@ -171,11 +171,11 @@ class ZeroSet:
 
     def piece_ranges(self, pieces: list, key: Optional[str] = None) -> list:
         """The stored ranges of layout ``pieces`` in the partition tensors of state ``key`` (None: the fp32
-        master); :class:`~ckptlib.ranges.Zeros` among them are kept as they are. Metadata only.
+        master); :class:`~ckptlib.layout.ranges.Zeros` among them are kept as they are. Metadata only.
 
         Each rank's partition tensor is looked up once per set (a ZeRO-3 plan at 512 ranks asks for
         millions of pieces); the ranges of the (contiguous, 1-D) flat partitions are made directly from
-        :meth:`~ckptlib.torchzip.TensorHandle.flat_base`."""
+        :meth:`~ckptlib.io.torchzip.TensorHandle.flat_base`."""
         out: list = []
         append, flats, make = out.append, self._flats, StoredRange
         for p in pieces:

@@ -40,12 +40,12 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from ..errors import Cancelled, CkptError
-from ..memory import watch_memory
-from ..output import AtomicOutputDir, reporting_failures
+from ..io.output import AtomicOutputDir, reporting_failures
+from ..io.sources import check_unchanged
+from ..io.streaming import load_cast_kernels
 from ..plan import THREADS, Plan
 from ..progress import Observer
-from ..sources import check_unchanged
-from ..streaming import load_cast_kernels
+from ..system.memory import watch_memory
 from .runner import AnyOf, RunResult, compare_copies, finished, write_in_threads
 from .writers import Unit, assign, needs_cast_kernels, prepare, units, write_finals
 
@@ -280,15 +280,15 @@ def run_distributed(plan: Plan, observer: Optional[Observer] = None, cancel: Any
 
 
 def verify_distributed(plan: Plan, out: os.PathLike):
-    """:func:`ckptlib.verify.verify` shared out among the ranks of the default process group: each rank
-    compares every world-th tensor, rank 0 joins the results (:func:`~ckptlib.verify.merge_verifications`).
+    """:func:`ckptlib.analysis.verify.verify` shared out among the ranks of the default process group: each rank
+    compares every world-th tensor, rank 0 joins the results (:func:`~ckptlib.analysis.verify.merge_verifications`).
     Returns the verification on rank 0, None on the others. A rank whose share fails to run says so in a
     failed check (the others are not left waiting).
 
     Memory per rank: the comparer's buffers (as a single verification)."""
     import torch.distributed as dist
 
-    from ..verify import Check, Share, Verification, merge_verifications, verify
+    from ..analysis.verify import Check, Share, Verification, merge_verifications, verify
 
     with process_group():
         rank, world = dist.get_rank(), dist.get_world_size()

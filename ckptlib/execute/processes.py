@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CkptError
+from ..io.sources import SourceFiles
+from ..io.streaming import load_cast_kernels
 from ..plan import Plan
 from ..progress import Observer, check_cancel
-from ..sources import SourceFiles
-from ..streaming import load_cast_kernels
 from .writers import WriteContext, assign, needs_cast_kernels, units, unsynced_budget, write_unit
 
 REPORT_EVERY = 8 * 2**20

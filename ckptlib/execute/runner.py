@@ -5,7 +5,7 @@ writes the plan's files into a hidden temporary sibling of the output folder (wi
 ``workers`` as threads, or as processes that each receive the pickled plan), then its text finals
 (``latest`` last), and renames the folder into place; any failure or a cancel leaves nothing behind.
 Progress goes to an :class:`~ckptlib.progress.Observer`; every run returns a :class:`RunResult` with
-its :class:`~ckptlib.memory.MemoryReport`. Buffers are released when the run ends.
+its :class:`~ckptlib.system.memory.MemoryReport`. Buffers are released when the run ends.
 
 Memory: ``plan.predicted_peak_bytes`` per writing process, whatever the model size.
 """
@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ..errors import IncompleteCheckpointError
-from ..allocation import translating_allocation_failures
-from ..memory import MemoryReport, watch_memory
-from ..output import AtomicOutputDir, reporting_failures
+from ..io.output import AtomicOutputDir, reporting_failures
+from ..io.sources import SourceFiles, check_unchanged
+from ..io.streaming import first_difference, load_cast_kernels
 from ..plan import PROCESSES, Plan
 from ..progress import Observer, check_cancel, progress_to
-from ..sources import SourceFiles, check_unchanged
-from ..streaming import first_difference, load_cast_kernels
+from ..system.allocation import translating_allocation_failures
+from ..system.memory import MemoryReport, watch_memory
 from .writers import Unit, WriteContext, needs_cast_kernels, prepare, units, unsynced_budget, write_finals, write_unit
 
 

@@ -2,7 +2,7 @@
 
 A *unit* is the smallest piece of a plan that can be written on its own: one tensor of a safetensors
 file (its offset is known from the header), or one whole torch or copied file. Writers read the
-plan's source ranges through a :class:`~ckptlib.sources.SourceFiles` and stream them through the
+plan's source ranges through a :class:`~ckptlib.io.sources.SourceFiles` and stream them through the
 calling thread's buffers (:class:`WriteContext`).
 """
 from __future__ import annotations
@@ -15,17 +15,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from ..memory import system_memory
+from ..io.sinks import PwriteSink, UnsyncedBudget, WriteBehind
+from ..io.sources import SourceFiles
+from ..io.stformat import SafetensorsLayout, TensorSpec
+from ..io.streaming import ChunkBuffers, copy_ranges
+from ..io.torchzip.specs import NewTensor
+from ..io.torchzip.trees import walk_tensors
+from ..io.torchzip.writer import save as torch_save
+from ..layout.ranges import StoredRange
 from ..plan import CopyFile, Plan, TextFile, TreeFile, WeightsFile
 from ..progress import Observer, check_cancel
-from ..sinks import PwriteSink, UnsyncedBudget, WriteBehind
-from ..sources import SourceFiles
-from ..stformat import SafetensorsLayout, TensorSpec
-from ..ranges import StoredRange
-from ..streaming import ChunkBuffers, copy_ranges
-from ..torchzip.specs import NewTensor
-from ..torchzip.trees import walk_tensors
-from ..torchzip.writer import save as torch_save
+from ..system.memory import system_memory
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def kernel_writeback_threshold() -> int:
     """Bytes of dirty page cache the kernel lets pile up before it starts writing back on its own: Linux
     ``vm.dirty_background_bytes``, or ``vm.dirty_background_ratio`` percent of the available memory (in a
     memory cgroup, of what it still allows, where the kernel throttles too); 256 MiB where that cannot be
-    read. Reads a few small files under ``/proc`` and ``/sys/fs/cgroup`` (:func:`ckptlib.memory.system_memory`)."""
+    read. Reads a few small files under ``/proc`` and ``/sys/fs/cgroup`` (:func:`ckptlib.system.memory.system_memory`)."""
     def read(path: str) -> int:
         with open(path) as f:
             return int(f.read().split()[0])
@@ -181,7 +181,7 @@ def _write_safetensors(f: WeightsFile, which, path: Path, ctx: WriteContext) -> 
 
 def needs_cast_kernels(plan: Plan) -> bool:
     """Whether a run of ``plan`` casts (a tensor read from ranges of another dtype) or compares copies: then
-    it needs numpy (:func:`ckptlib.streaming.load_cast_kernels`), which a run loads before it writes anything.
+    it needs numpy (:func:`ckptlib.io.streaming.load_cast_kernels`), which a run loads before it writes anything.
     Metadata only."""
     if plan.checks:
         return True

@@ -1,4 +1,7 @@
-"""Export consolidated weights (and optimizer states): plan from metadata, then stream."""
+"""Export consolidated weights (and optimizer states): plan from metadata, then stream.
+
+May import: :mod:`ckptlib.execute` and every layer below it; not :mod:`ckptlib.reshard` (same layer).
+"""
 from __future__ import annotations
 
 import os
@@ -6,9 +9,9 @@ import threading
 from typing import Optional, Union
 
 from ..deepspeed import Checkpoint
+from ..execute import RunResult, run
 from ..plan import PlannedTensor, WeightsFile
 from ..progress import Observer
-from ..execute import RunResult, run
 from ..units import parse_size
 from .plan import ExportPlan, plan_export
 

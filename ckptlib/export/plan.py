@@ -12,16 +12,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Optional, Sequence, Union
 
-from ..deepspeed import Checkpoint, open_checkpoint
-from ..dtypes import OUTPUT_DTYPES, BY_SHORT, is_floating
+from ..deepspeed import Checkpoint, hf, open_checkpoint
+from ..dtypes import BY_SHORT, OUTPUT_DTYPES, is_floating
 from ..errors import CkptError
-from ..gcpause import gc_paused
-from .. import hf
+from ..io.stformat import SafetensorsLayout, TensorSpec
+from ..io.streaming import DEFAULT_CHUNK_BYTES
+from ..io.torchzip.specs import NewTensor
+from ..io.torchzip.writer import file_size
 from ..plan import PROCESSES, CopyFile, Plan, PlannedTensor, RangeCheck, TextFile, WeightsFile
-from ..stformat import SafetensorsLayout, TensorSpec
-from ..streaming import DEFAULT_CHUNK_BYTES
-from ..torchzip.specs import NewTensor
-from ..torchzip.writer import file_size
+from ..system.gcpause import gc_paused
 from ..units import human_bytes, parse_size
 
 FORMATS = ("safetensors", "torch")
@@ -177,7 +176,7 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
             shards (a JSON file; see :func:`ckptlib.open_checkpoint`).
         hf_files: copy the Hugging Face files found beside the checkpoint (``config.json`` with its dtype
             set to ``dtype``, ``generation_config.json``, tokenizer files, chat templates, remote code named
-            by ``auto_map``; :func:`ckptlib.hf.model_files`), so that ``from_pretrained(out)`` loads it as
+            by ``auto_map``; :func:`ckptlib.deepspeed.hf.model_files`), so that ``from_pretrained(out)`` loads it as
             it is. The plan's notes say which were copied, or how to add a config when there is none.
         sync: put the output on disk before it appears under its name (default; see :class:`~ckptlib.plan.Plan`).
             False leaves the writing to the kernel after the run, as ``torch.save`` and DeepSpeed do:

@@ -4,6 +4,8 @@ plan from metadata (plain data), then stream with the one runner (:mod:`ckptlib.
     plan = plan_reshard("ckpt", "ckpt_dp2", world_size=2)   # metadata only
     print(plan.describe())
     reshard(plan)                                          # DeepSpeed then loads "ckpt_dp2" at 2 ranks
+
+May import: :mod:`ckptlib.execute` and every layer below it; not :mod:`ckptlib.export` (same layer).
 """
 from __future__ import annotations
 
@@ -13,9 +15,9 @@ from typing import Optional, Union
 
 from ..deepspeed import Checkpoint
 from ..errors import CkptError
+from ..execute import RunResult, run
 from ..plan import CopyFile, TreeFile
 from ..progress import Observer
-from ..execute import RunResult, run
 from .plan import ReshardPlan, default_workers, plan_reshard
 from .universal import LATEST_UNIVERSAL, UniversalPlan, plan_universal
 

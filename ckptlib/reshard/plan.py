@@ -9,9 +9,9 @@ from typing import ClassVar, Optional, Union
 from ..deepspeed import NO_ZERO, Checkpoint, open_checkpoint
 from ..deepspeed import files as fnames
 from ..errors import CkptError, UnsupportedCheckpointError
-from ..gcpause import gc_paused
+from ..io.streaming import DEFAULT_CHUNK_BYTES
 from ..plan import CopyFile, Plan, TextFile
-from ..streaming import DEFAULT_CHUNK_BYTES
+from ..system.gcpause import gc_paused
 from ..units import human_bytes
 from .trees import TreeFiles, batch_note, client_files, converter_scripts
 from .zero3 import Zero3Resharder

@@ -1,23 +1,22 @@
 """Building blocks of the target object trees of a reshard or a universal checkpoint (metadata only).
 
 Each target file is a source file's object tree with the partition-dependent entries replaced:
-tensors become :class:`~ckptlib.torchzip.specs.NewTensor` s whose bytes are the source ranges that
-:mod:`ckptlib.layout` says make them, and sizes, paddings and fragment addresses are recomputed. The
-carried-over rest keeps its tensors as :class:`~ckptlib.torchzip.specs.StoredTensor` s (copied storage).
+tensors become :class:`~ckptlib.io.torchzip.specs.NewTensor` s whose bytes are the source ranges that
+:mod:`ckptlib.layout.flat` says make them, and sizes, paddings and fragment addresses are recomputed. The
+carried-over rest keeps its tensors as :class:`~ckptlib.io.torchzip.specs.StoredTensor` s (copied storage).
 """
 from __future__ import annotations
 
 import os
 from typing import Any, Optional
 
-from .. import hf
-from ..deepspeed import Checkpoint, ZeroSet
+from ..deepspeed import Checkpoint, ZeroSet, hf
+from ..io.torchzip import TensorHandle
+from ..io.torchzip.specs import NewTensor
+from ..io.torchzip.trees import as_specs, tree_bytes
+from ..io.torchzip.writer import file_size
+from ..layout.ranges import numel
 from ..plan import CopyFile, TreeFile
-from ..ranges import numel
-from ..torchzip import TensorHandle
-from ..torchzip.specs import NewTensor
-from ..torchzip.trees import as_specs, tree_bytes
-from ..torchzip.writer import file_size
 
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's default zero_optimization.sub_group_size
 
@@ -118,7 +117,7 @@ def converter_scripts(ck: Checkpoint) -> list[str]:
 
 def client_files(ck: Checkpoint, world_size: Optional[int]) -> tuple[list[CopyFile], list[str]]:
     """The HF Trainer / Accelerate files beside the checkpoint, carried over byte for byte so that the client
-    resumes from the output (:func:`ckptlib.hf.training_files`; ``world_size`` None: a universal
+    resumes from the output (:func:`ckptlib.deepspeed.hf.training_files`; ``world_size`` None: a universal
     checkpoint), and the notes saying what was carried and what the client does for ranks without an RNG state."""
     found = hf.training_files(ck.location.save_dir, world_size, skip_folders=tuple(ck.location.tags))
     files = [CopyFile(f.name, f.source, f.bytes, kind="client") for f in found.files]

@@ -89,10 +89,10 @@ from typing import Any, ClassVar, Optional, Union
 from ..deepspeed import NO_ZERO, Checkpoint, open_checkpoint
 from ..deepspeed import files as fnames
 from ..errors import IncompleteCheckpointError, UnsupportedCheckpointError
+from ..io.streaming import DEFAULT_CHUNK_BYTES
+from ..io.torchzip import TensorHandle
 from ..mesh import Rank
 from ..plan import CopyFile, Plan, TextFile
-from ..streaming import DEFAULT_CHUNK_BYTES
-from ..torchzip import TensorHandle
 from ..units import human_bytes
 from .plan import default_workers, refuse_unsupported
 from .trees import client_files, copied, replace, streamed, tree_file

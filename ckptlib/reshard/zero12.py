@@ -7,9 +7,9 @@ from typing import Any
 from ..deepspeed import BF16_OPTIMIZER, ZeroSet
 from ..deepspeed import files as fnames
 from ..errors import UnsupportedCheckpointError
-from ..layout import FlatGroupLayout, Piece, reslice_by_params, reslice_flat, round_robin_order
-from ..torchzip import FragmentAddress, TensorHandle
-from ..torchzip.standins import TorchSize
+from ..io.torchzip import FragmentAddress, TensorHandle
+from ..io.torchzip.standins import TorchSize
+from ..layout.flat import FlatGroupLayout, Piece, reslice_by_params, reslice_flat, round_robin_order
 from .trees import optim_prefix, replace, streamed, to_ranges
 
 

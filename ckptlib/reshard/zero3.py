@@ -7,10 +7,10 @@ from typing import Any, Optional
 from ..deepspeed import ZeroSet
 from ..deepspeed import files as fnames
 from ..errors import UnsupportedCheckpointError
-from ..layout import Piece, Zero3Layout, chunk_size, reslice_zero3, zero3_sub_groups
-from ..ranges import Zeros, range_starts, slice_ranges
-from ..torchzip import TensorHandle
-from ..torchzip.standins import TorchSize
+from ..io.torchzip import TensorHandle
+from ..io.torchzip.standins import TorchSize
+from ..layout.flat import Piece, Zero3Layout, chunk_size, reslice_zero3, zero3_sub_groups
+from ..layout.ranges import Zeros, range_starts, slice_ranges
 from .trees import copied, optim_prefix, replace, streamed, sub_group_size, to_ranges
 
 

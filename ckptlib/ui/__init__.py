@@ -1,6 +1,7 @@
 """Notebook widgets for ckptlib (ipywidgets 8; needs the ``notebooks`` extra).
 
-Built only on ckptlib's public API; nothing in the library imports this package.
+Built on ckptlib's public API (it may import every layer of ckptlib); nothing in the library imports this
+package.
 
 - :class:`CheckpointBrowser` — path box and folder list; recognises checkpoints, tags and ``latest``;
   summary, file table with sizes per rank and a bar chart, parameters, problems.
@@ -17,10 +18,20 @@ The figures are also available as plain functions (``layout_figure``, ``file_siz
 path helpers (``find_path``, ``sample_checkpoint``) resolve notebook parameters robustly.
 """
 from .browser import CheckpointBrowser
-from .diff_view import DiffView, diff_figure, diff_table_html
 from .common import ErrorArea, WidgetObserver, find_path, notebook_setup, sample_checkpoint
-from .figures import (file_sizes_figure, file_table_html, layout_figure, layout_panels, parameters_html, problems_html,
-                      summary_html, table_html, where_html, where_is)
+from .diff_view import DiffView, diff_figure, diff_table_html
+from .figures import (
+                      file_sizes_figure,
+                      file_table_html,
+                      layout_figure,
+                      layout_panels,
+                      parameters_html,
+                      problems_html,
+                      summary_html,
+                      table_html,
+                      where_html,
+                      where_is,
+)
 from .health_view import HealthView, health_table_html, norms_figure
 from .layout_view import LayoutView
 from .monitor import MemoryMonitor

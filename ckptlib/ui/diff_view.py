@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import html
 import math
+
 import ipywidgets as widgets
 
 import ckptlib
-from ckptlib.scan import layer_of, num
-from ckptlib.tensordiff import CHANGED, SAME, STATUSES
+from ckptlib.analysis.scan import layer_of, num
+from ckptlib.analysis.tensordiff import CHANGED, SAME, STATUSES
 
 from .common import ErrorArea, guarded, png_image, set_png
 from .plots import figure_png, new_figure

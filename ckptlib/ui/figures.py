@@ -1,7 +1,7 @@
 """Figures and tables of a checkpoint, from its metadata only (nothing here reads tensor data).
 
 Each ``*_figure`` function returns a matplotlib ``Figure`` drawn on an Agg canvas (no pyplot): as the
-last expression of a notebook cell it shows as a PNG, and :func:`ckptlib.memory.figure_png` turns it
+last expression of a notebook cell it shows as a PNG, and :func:`ckptlib.system.memory.figure_png` turns it
 into bytes for an ``ipywidgets.Image``. The tables are plain lists of dicts, and HTML for widgets.
 """
 from __future__ import annotations
@@ -11,8 +11,8 @@ import zlib
 from typing import Optional
 
 import ckptlib
+from ckptlib.analysis.summary import parallel_line
 from ckptlib.deepspeed.files import natural_key
-from ckptlib.summary import parallel_line
 from ckptlib.units import human_bytes
 
 from .plots import new_figure

@@ -18,7 +18,7 @@ from typing import Optional, Union
 import ipywidgets as widgets
 
 import ckptlib
-from ckptlib.scan import layer_of, num
+from ckptlib.analysis.scan import layer_of, num
 
 from .common import ErrorArea, find_path, guarded, png_image, set_png
 from .plots import figure_png, new_figure

@@ -14,6 +14,7 @@ from typing import Optional, Union
 import ipywidgets as widgets
 
 import ckptlib
+
 from . import figures
 from .common import ErrorArea, as_checkpoint, guarded, png_image, set_png
 from .plots import figure_png

@@ -9,7 +9,7 @@ from typing import Optional
 
 import ipywidgets as widgets
 
-from ckptlib.memory import MemorySampler, Sample, process_memory, system_memory
+from ckptlib.system.memory import MemorySampler, Sample, process_memory, system_memory
 from ckptlib.units import human_bytes
 
 from .common import png_image, set_png

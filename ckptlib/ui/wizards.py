@@ -23,10 +23,10 @@ from typing import Optional, Union
 import ipywidgets as widgets
 
 import ckptlib
+from ckptlib.analysis.verify import Check, preflight, verify
 from ckptlib.dtypes import OUTPUT_DTYPES
-from ckptlib.memory import process_memory
+from ckptlib.system.memory import process_memory
 from ckptlib.units import human_bytes
-from ckptlib.verify import Check, preflight, verify
 
 from .common import ErrorArea, WidgetObserver, as_checkpoint, find_path, guarded
 from .monitor import MemoryMonitor

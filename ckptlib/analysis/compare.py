@@ -1,7 +1,7 @@
-"""Streaming range lists window by window, and comparing two of them: the engine that :mod:`ckptlib.verify`,
-:mod:`ckptlib.health` and :mod:`ckptlib.tensordiff` share.
+"""Streaming range lists window by window, and comparing two of them: the engine that :mod:`ckptlib.analysis.verify`,
+:mod:`ckptlib.analysis.health` and :mod:`ckptlib.analysis.tensordiff` share.
 
-- :class:`WindowReader` reads consecutive windows of a range list (:mod:`ckptlib.ranges`) into two
+- :class:`WindowReader` reads consecutive windows of a range list (:mod:`ckptlib.layout.ranges`) into two
   reusable buffers, the next window in a background thread while the caller works on the current one.
 - :class:`Comparer` streams two range lists side by side: :meth:`Comparer.equal` (bit for bit, both cast
   to one dtype; what ``verify`` checks) and :meth:`Comparer.difference` (floating values compared in
@@ -9,12 +9,12 @@
   are passed over without arithmetic.
 
 Windows are numpy arrays (bfloat16, which numpy lacks, as its 16-bit patterns: :func:`np_type`); casts
-between dtypes are torch's, bit for bit (:func:`cast_values`, through :mod:`ckptlib.casting`). Neither
+between dtypes are torch's, bit for bit (:func:`cast_values`, through :mod:`ckptlib.io.casting`). Neither
 torch nor a thread pool of its is involved: numpy's loops here are single-threaded.
 
 Memory: a reader holds two buffers of ``slot_bytes``; a comparer two readers and four work buffers, all
 of ``chunk_bytes / 4`` (2 ``chunk_bytes`` in all), whatever the tensor sizes; a cast between 16-bit
-dtypes and float64 adds one fixed block of :data:`ckptlib.casting.BLOCK` float32.
+dtypes and float64 adds one fixed block of :data:`ckptlib.io.casting.BLOCK` float32.
 """
 from __future__ import annotations
 
@@ -24,11 +24,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-from .dtypes import is_floating, itemsize
-from .progress import check_cancel
-from .ranges import StoredRange, Zeros, numel
-from .sources import SourceFiles
-from .streaming import DEFAULT_CHUNK_BYTES
+from ..dtypes import is_floating, itemsize
+from ..io.sources import SourceFiles
+from ..io.streaming import DEFAULT_CHUNK_BYTES
+from ..layout.ranges import StoredRange, Zeros, numel
+from ..progress import check_cancel
 
 
 def stored_dtype(ranges: Sequence, default: str = "float32") -> str:
@@ -86,13 +86,13 @@ def np_type(dtype: str):
 
 def cast_values(src, src_dtype: str, out, dtype: str) -> None:
     """Write numpy array ``src`` (of ``src_dtype``) into ``out`` (as long, of ``dtype``) as torch's CPU cast
-    writes it: between float32, bfloat16 and float16 (and the same dtype) by :mod:`ckptlib.casting`, a 16-bit
+    writes it: between float32, bfloat16 and float16 (and the same dtype) by :mod:`ckptlib.io.casting`, a 16-bit
     float to or from float64 through float32 (exact both ways into float64), anything else as numpy casts
     (widening floats and integers exactly, float64 to float32 rounding to nearest even, as torch).
     Memory: one block of float32 for the 16-bit and float64 pairs; else none."""
     import numpy as np
 
-    from .casting import BLOCK, can_cast, cast
+    from ..io.casting import BLOCK, can_cast, cast
 
     if can_cast(src_dtype, dtype):
         cast(src, src_dtype, out, dtype)

@@ -1,13 +1,13 @@
 """Streaming tensor bytes from stored ranges into a sink, through fixed buffers (every writer uses it).
 
-:func:`copy_ranges` writes a range list (:mod:`ckptlib.ranges`: stored ranges and zeros) in order,
+:func:`copy_ranges` writes a range list (:mod:`ckptlib.layout.ranges`: stored ranges and zeros) in order,
 in chunks, casting when the output dtype differs. Ranges already in the output dtype go file to file
 inside the kernel when the sink can do that (``copy_from``). Chunks that go through the buffers are
 read one ahead in a background thread; a sink that keeps a CRC-32 (``takes_crc``) gets each chunk's
 CRC computed there too, beside the read, so the writing thread only writes.
 
 The buffers are plain bytes (anonymous memory maps) and the casts between float32, bfloat16 and float16 are
-:mod:`ckptlib.casting`'s, bit for bit torch's: nothing here imports torch, except a cast between other
+:mod:`ckptlib.io.casting`'s, bit for bit torch's: nothing here imports torch, except a cast between other
 dtypes (float64 buffers to float32, say), which is left to torch, and :func:`read_ranges`, which makes
 a tensor.
 
@@ -23,22 +23,14 @@ import sys
 import zlib
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-from .dtypes import itemsize, torch_dtype
-from .progress import check_cancel
-from .ranges import StoredRange, Zeros, numel, slice_ranges
+from ..dtypes import itemsize, torch_dtype
+from ..layout.ranges import StoredRange, Zeros, numel, slice_ranges
+from ..plan import DEFAULT_CHUNK_BYTES, FIXED_OVERHEAD_BYTES, predicted_peak_bytes
+from ..progress import check_cancel
 from .sources import SourceFiles
 
 if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor
-
-DEFAULT_CHUNK_BYTES = 16 * 2**20
-FIXED_OVERHEAD_BYTES = 8 * 2**20  # allowance for the plan's object trees, the cast scratch and bookkeeping
-
-
-def predicted_peak_bytes(chunk_bytes: int, threads: int = 1) -> int:
-    """What a streaming run adds to a process: each writing thread's :class:`ChunkBuffers` (two read-ahead,
-    one cast; storage copies use the same) plus a fixed allowance."""
-    return threads * 3 * chunk_bytes + FIXED_OVERHEAD_BYTES
 
 
 class ChunkBuffers:
@@ -137,7 +129,7 @@ def openblas_threads() -> int:
 
 
 def load_cast_kernels() -> None:
-    """Load the casts' kernels (numpy, :mod:`ckptlib.casting`) now, before a run writes anything, or a
+    """Load the casts' kernels (numpy, :mod:`ckptlib.io.casting`) now, before a run writes anything, or a
     check or diff starts its clock and memory watch: numpy's first import (about 40 MiB of OpenBLAS
     buffers with one thread, once per process) is not a run's memory or time.
 
@@ -147,9 +139,9 @@ def load_cast_kernels() -> None:
             per OpenBLAS thread).
     """
     if "numpy" not in sys.modules:
-        from .allocation import out_of_memory_message
-        from .errors import OutOfMemoryError
-        from .memory import system_memory
+        from ..errors import OutOfMemoryError
+        from ..system.allocation import out_of_memory_message
+        from ..system.memory import system_memory
 
         threads = openblas_threads()
         need = NUMPY_IMPORT_BYTES + OPENBLAS_THREAD_BYTES * threads
@@ -173,7 +165,7 @@ def thread_room() -> None:
     case, at the memory floor, into the run's one-line out-of-memory error."""
     import resource
 
-    from .memory import system_memory
+    from ..system.memory import system_memory
 
     stack = resource.getrlimit(resource.RLIMIT_STACK)[0]
     stack = 8 * 2**20 if stack == resource.RLIM_INFINITY or stack <= 0 else stack
@@ -189,14 +181,14 @@ def _private_map(nbytes: int) -> mmap.mmap:
 
 def cast_bytes(src: memoryview, src_dtype: str, out: memoryview, dtype: str, bufs: Optional[ChunkBuffers] = None) -> None:
     """Write the elements in ``src`` (of ``src_dtype``) into ``out`` as ``dtype``, bit for bit as torch casts:
-    :mod:`ckptlib.casting` for float32/bfloat16/float16 (and same-dtype copies), torch for other pairs.
+    :mod:`ckptlib.io.casting` for float32/bfloat16/float16 (and same-dtype copies), torch for other pairs.
     Memory: the scratch of ``bufs`` (or one made for the call)."""
     from .casting import can_cast, cast
 
     if can_cast(src_dtype, dtype):
         cast(src, src_dtype, out, dtype, bufs.scratch if bufs is not None else None)
         return
-    import torch  # a pair ckptlib.casting does not do (float64, integers to floats): torch's own cast
+    import torch  # a pair ckptlib.io.casting does not do (float64, integers to floats): torch's own cast
 
     n = src.nbytes // itemsize(src_dtype)
     if n:

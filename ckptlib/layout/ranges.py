@@ -3,7 +3,7 @@
 A *range list* describes a tensor (flattened) as the concatenation of :class:`StoredRange` s (``count``
 elements of dtype ``dtype`` at byte ``offset`` of file ``path``) and :class:`Zeros` (partition
 padding). Plans hold range lists; the bytes are read only when the plan is run
-(:func:`ckptlib.streaming.copy_ranges`). Pure data and arithmetic: no I/O, no torch.
+(:func:`ckptlib.io.streaming.copy_ranges`). Pure data and arithmetic: no I/O, no torch.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import operator
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
-from .dtypes import BY_NAME, itemsize
+from ..dtypes import BY_NAME, itemsize
 
 _ITEMSIZE = {name: d.itemsize for name, d in BY_NAME.items()}
 

@@ -4,7 +4,7 @@
 local headers of the pickle and the storages (those close together in one read: a ZeRO-3 model file's
 hundreds of empty storages cost one) and the pickle (``data.pkl``, a few KB even for a multi-GB file),
 and returns a :class:`TorchFile` whose ``.obj`` is the unpickled object tree, with
-every tensor replaced by a :class:`~ckptlib.torchzip.handles.TensorHandle`. Tensor bytes are read
+every tensor replaced by a :class:`~ckptlib.io.torchzip.handles.TensorHandle`. Tensor bytes are read
 later, on demand, with ``pread``. Every byte read goes through the file's :class:`ReadStats`, so
 callers can show how little was read.
 
@@ -20,9 +20,9 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..dtypes import BY_NAME, itemsize
-from ..errors import CkptError, IncompleteCheckpointError, UnsafeCheckpointError, UnsupportedCheckpointError
-from ..ranges import StoredRange
+from ...dtypes import BY_NAME, itemsize
+from ...errors import CkptError, IncompleteCheckpointError, UnsafeCheckpointError, UnsupportedCheckpointError
+from ...layout.ranges import StoredRange
 from . import zipfmt
 from .handles import StorageRef
 from .unpickler import SafeUnpickler
@@ -287,7 +287,7 @@ class TorchFile:
         """
         import torch
 
-        from ..dtypes import torch_dtype
+        from ...dtypes import torch_dtype
 
         if r.path != self.path:
             raise ValueError(f"the range lies in {r.path}, not in {self.path}")

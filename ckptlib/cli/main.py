@@ -10,11 +10,10 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from . import __version__
-from .dtypes import OUTPUT_DTYPES
-from .errors import CkptError
-from .units import human_bytes
-
+from .. import __version__
+from ..dtypes import OUTPUT_DTYPES
+from ..errors import CkptError
+from ..units import human_bytes
 
 TP_RULES_HELP = ("tensor-parallel checkpoints saved without universal_checkpoint_info: a JSON file with its keys "
                  "(tp_replicated_parameter_patterns, parameter_with_row_parallelism_patterns, "
@@ -22,8 +21,8 @@ TP_RULES_HELP = ("tensor-parallel checkpoints saved without universal_checkpoint
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from .deepspeed import open_checkpoint
-    from .summary import describe, format_text
+    from ..analysis.summary import describe, format_text
+    from ..deepspeed import open_checkpoint
 
     with open_checkpoint(args.path, tag=args.tag, tp_rules=args.tp_rules) as ckpt:
         if args.json:
@@ -44,7 +43,7 @@ def _finish(args: argparse.Namespace, plan, result, checked=None) -> int:
     if not args.verify:
         return 0
     if checked is None:
-        from .verify import verify
+        from ..analysis.verify import verify
 
         checked = verify(plan, result.out)
     if not args.quiet or not checked.ok:
@@ -56,19 +55,25 @@ def _plan_and_run(args: argparse.Namespace, make_plan, desc: str) -> int:
     """Make the plan, show it (``--plan``) or run it. With ``--distributed`` (under torchrun) rank 0 makes
     the plan and hands it to every rank, each rank writes its share, and only rank 0 prints (a failure on
     any rank: one message, from rank 0)."""
-    from .progress import TqdmObserver
+    from ..progress import TqdmObserver
 
     rank = int(os.environ.get("RANK", "0")) if args.distributed else 0
     observer = None if args.quiet or rank != 0 else TqdmObserver(desc)
     if not args.distributed:
-        from .execute import run
+        from ..execute import run
 
         plan = make_plan()
         if args.plan:
             print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.describe())
             return 0
         return _finish(args, plan, run(plan, observer=observer))
-    from .execute.distributed import DistributedFailure, process_group, run_distributed, shared_plan, verify_distributed
+    from ..execute.distributed import (
+        DistributedFailure,
+        process_group,
+        run_distributed,
+        shared_plan,
+        verify_distributed,
+    )
 
     try:
         with process_group():
@@ -87,7 +92,7 @@ def _plan_and_run(args: argparse.Namespace, make_plan, desc: str) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from .export import plan_export
+    from ..export import plan_export
 
     states = [s for s in (args.states or "").split(",") if s]
     return _plan_and_run(args, lambda: plan_export(
@@ -98,7 +103,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_reshard(args: argparse.Namespace) -> int:
-    from .reshard import plan_reshard, plan_universal
+    from ..reshard import plan_reshard, plan_universal
 
     def make_plan():
         if not args.universal and args.world_size is None:
@@ -113,8 +118,8 @@ def _cmd_reshard(args: argparse.Namespace) -> int:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from .health import check, plan_check
-    from .scan import ReadTqdm
+    from ..analysis.health import check, plan_check
+    from ..analysis.scan import ReadTqdm
 
     plan = plan_check(args.path, tag=args.tag, states=args.states, tp_rules=args.tp_rules)
     for note in plan.notes:
@@ -125,8 +130,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
-    from .scan import ReadTqdm
-    from .tensordiff import diff, plan_diff
+    from ..analysis.scan import ReadTqdm
+    from ..analysis.tensordiff import diff, plan_diff
 
     plan = plan_diff(args.a, args.b, tag_a=args.tag_a, tag_b=args.tag_b, states=args.states, atol=args.atol,
                      rtol=args.rtol, tp_rules=args.tp_rules)
@@ -274,8 +279,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"ckpt {args.command}: interrupted", file=sys.stderr)
         return 130
     except (MemoryError, RuntimeError) as e:  # an allocation failed outside a run (which says more itself)
-        from .allocation import is_allocation_failure
-        from .memory import system_memory
+        from ..system.allocation import is_allocation_failure
+        from ..system.memory import system_memory
 
         if not is_allocation_failure(e):
             raise

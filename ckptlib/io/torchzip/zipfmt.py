@@ -10,7 +10,7 @@ needs them, as the zip specification (APPNOTE 4.5.3) says.
 :func:`crc32_combine` joins the CRC-32s of consecutive pieces, so that chunks can be checksummed
 where their bytes are (e.g. in the thread that read them) and combined in order.
 
-Reading (what :class:`~ckptlib.torchzip.reader.TorchFile` needs, faster than ``zipfile`` on archives of
+Reading (what :class:`~ckptlib.io.torchzip.reader.TorchFile` needs, faster than ``zipfile`` on archives of
 thousands of members): :func:`find_directory` finds the central directory from the archive's last bytes,
 :func:`parse_directory` turns it into plain tuples in one pass, :func:`header_runs` and :func:`data_offsets`
 find where members' data start from their local headers, read a run at a time.

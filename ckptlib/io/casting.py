@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .dtypes import itemsize, name_of
+from ..dtypes import itemsize, name_of
 
 #: elements per inner step: 256 KiB of fp32, small enough to stay in the L2 cache
 BLOCK = 1 << 16

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Deque, Optional, Union
 
-from .units import human_bytes
+from ..units import human_bytes
 
 PROC_STATUS = Path("/proc/self/status")
 CGROUP_ROOT = Path("/sys/fs/cgroup")

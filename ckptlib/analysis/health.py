@@ -6,12 +6,12 @@
     print(result.describe()); result.ok; result.problems; result.to_dict()   # what `ckpt check --json` prints
 
 Per tensor: ``numel``, ``nan``, ``inf``, ``zeros``, ``min``, ``max``, ``mean``, ``std`` (sample, as
-torch.std), ``norm`` (L2), accumulated in float64 (:mod:`ckptlib.tensorstats`). Problems, each naming the
+torch.std), ``norm`` (L2), accumulated in float64 (:mod:`ckptlib.analysis.tensorstats`). Problems, each naming the
 tensor and the file it lives in: NaN or Inf values; an Adam ``exp_avg_sq`` below zero; a saved 16-bit
 weight that is not the fp32 master cast to the training dtype (checkpoints holding both: ZeRO-0/1/2,
 BF16_Optimizer; compared while the master streams, so it is read once); optimizer steps that differ
 between ranks or (sub-)groups; padding the files record over parameter elements
-(:mod:`ckptlib.healthrules`). Pipeline, tensor-parallel and MoE checkpoints are checked in every ZeRO
+(:mod:`ckptlib.analysis.healthrules`). Pipeline, tensor-parallel and MoE checkpoints are checked in every ZeRO
 set (each stage, each tensor rank, experts in their expert data-parallel groups); a tensor stored more
 than once (a tied layer on several stages, a tensor replicated across tensor ranks) has its statistics
 taken from the copy the model reads, and every further copy is streamed beside it: NaN/Inf in it, or
@@ -28,19 +28,19 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional, Union
 
+from ..deepspeed import Checkpoint, open_checkpoint
+from ..dtypes import decode_scalar, itemsize
+from ..io.sources import SourceFiles, check_unchanged
+from ..io.streaming import DEFAULT_CHUNK_BYTES, load_cast_kernels
+from ..layout.ranges import stored_bytes
+from ..plan import SourceRef
+from ..progress import Observer, check_cancel
+from ..system.memory import MemoryReport, watch_memory
+from ..units import human_bytes
 from .compare import RangeIndex, WindowReader, cast_values, np_type, same_bytes, stored_dtype
-from .deepspeed import Checkpoint, open_checkpoint
-from .dtypes import decode_scalar, itemsize
 from .healthrules import StatsItem, StepItem, file_labels, layout_problems, stats_items, step_items
-from .memory import MemoryReport, watch_memory
-from .plan import SourceRef
-from .progress import Observer, check_cancel
-from .ranges import stored_bytes
 from .scan import Problem, json_ready, num, progress_to, scan_peak_bytes
-from .sources import SourceFiles, check_unchanged
-from .streaming import DEFAULT_CHUNK_BYTES, load_cast_kernels
 from .tensorstats import RunningStats, TensorStats
-from .units import human_bytes
 
 
 @dataclass(kw_only=True)

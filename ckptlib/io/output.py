@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-from .errors import CkptError, OutputError
+from ..errors import CkptError, OutputError
 
 TMP_MARK = ".ckptlib-tmp-"
 LOCK_SUFFIX = ".ckptlib-lock"

@@ -14,7 +14,7 @@ import struct
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from .dtypes import BY_NAME, Shaped, itemsize, lookup
+from ..dtypes import BY_NAME, Shaped, itemsize, lookup
 
 _FROM_CODE = {d.safetensors: d.name for d in BY_NAME.values() if d.safetensors}
 MAX_HEADER = 100 * 2**20

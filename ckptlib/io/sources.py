@@ -1,6 +1,6 @@
 """Reading the source files of a plan by path: one read-only descriptor per file, shared by threads.
 
-Plans name their bytes by file path and byte offset (:mod:`ckptlib.ranges`); :class:`SourceFiles`
+Plans name their bytes by file path and byte offset (:mod:`ckptlib.layout.ranges`); :class:`SourceFiles`
 opens each file when first needed, reads with ``pread`` (no mmap), counts every byte (``stats``),
 drops pages from the page cache once they are copied, and checks that the files are the ones the plan
 was made from (:func:`check_unchanged`).
@@ -11,7 +11,7 @@ import os
 import threading
 from typing import Iterable, Optional
 
-from .errors import IncompleteCheckpointError
+from ..errors import IncompleteCheckpointError
 from .torchzip.reader import GLOBAL_STATS, ReadStats
 
 

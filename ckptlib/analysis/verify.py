@@ -8,7 +8,7 @@
   has (memory, cgroup limit, free disk).
 
 No widgets, no plots: the CLI (``--verify``), the wizards and the notebooks all call this. The
-comparison engine (:class:`ckptlib.compare.Comparer`) is the one ``ckpt diff`` uses. Several processes
+comparison engine (:class:`ckptlib.analysis.compare.Comparer`) is the one ``ckpt diff`` uses. Several processes
 can share one verification (:class:`Share`: each compares every n-th tensor; :func:`merge_verifications`
 joins their results), as ``--verify --distributed`` does.
 Memory: the comparer's buffers (1.5 ``chunk_bytes``), whatever the tensor sizes.
@@ -23,15 +23,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+from ..deepspeed import Checkpoint, open_checkpoint
+from ..errors import CkptError
+from ..io.streaming import DEFAULT_CHUNK_BYTES
+from ..io.torchzip import TensorHandle, open_torch_file
+from ..plan import CopyFile, Plan, TextFile
+from ..system.memory import MemoryVerdict, memory_verdict
+from ..units import human_bytes
 from .compare import Comparer
-from .deepspeed import Checkpoint, open_checkpoint
-from .errors import CkptError
-from .memory import MemoryVerdict, memory_verdict
-from .plan import CopyFile, Plan, TextFile
-from .streaming import DEFAULT_CHUNK_BYTES
 from .tensorsets import file_tensors
-from .torchzip import TensorHandle, open_torch_file
-from .units import human_bytes
 
 MAX_LISTED = 5  # mismatches named in a check's detail
 

@@ -1,6 +1,6 @@
 """Running out of memory: recognising a failed allocation (Python's, the OS's or torch's allocator) and
 turning it into one :class:`~ckptlib.errors.OutOfMemoryError` that says how much a plan needs and how much
-was left, under which limit (:func:`ckptlib.memory.system_memory`: the machine, the cgroup, ``ulimit -d``
+was left, under which limit (:func:`ckptlib.system.memory.system_memory`: the machine, the cgroup, ``ulimit -d``
 and ``ulimit -v``). Memory: none.
 """
 from __future__ import annotations
@@ -8,9 +8,9 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Optional, Union
 
-from .errors import CkptError, OutOfMemoryError
+from ..errors import CkptError, OutOfMemoryError
+from ..units import human_bytes
 from .memory import SystemMemory, system_memory
-from .units import human_bytes
 
 #: what torch's CPU allocator and the OS say when an allocation fails; a thread that cannot get its stack
 #: (Python: "can't start new thread"); a shared library whose segments cannot be mapped (an ImportError)

@@ -1,15 +1,15 @@
 """Write torch zip files (what ``torch.save`` writes) from an object tree, streaming tensor bytes.
 
 The object tree may hold plain values and containers, the inert stand-ins of
-:mod:`~ckptlib.torchzip.standins` and tensors given as plain-data specs (:mod:`~ckptlib.torchzip.specs`):
-:class:`StoredTensor` s (and :class:`~ckptlib.torchzip.handles.TensorHandle` s, the same thing while a
+:mod:`~ckptlib.io.torchzip.standins` and tensors given as plain-data specs (:mod:`~ckptlib.io.torchzip.specs`):
+:class:`StoredTensor` s (and :class:`~ckptlib.io.torchzip.handles.TensorHandle` s, the same thing while a
 file is open), whose storages are copied byte for byte so views and shared storages stay as they were,
 and :class:`NewTensor` s, whose bytes are streamed from their range lists. The pickle is emitted opcode
 by opcode, naming only torch's rebuild function, storage classes, ``collections.OrderedDict``,
 ``torch.Size``/``device``/dtypes and the original names of the stand-ins, so DeepSpeed loads what
 ckptlib writes and ckptlib's own reader reads it back. Nothing is imported to write a name.
 
-Memory: the pickle plus the streaming buffers (:class:`~ckptlib.streaming.ChunkBuffers`); tensors are
+Memory: the pickle plus the streaming buffers (:class:`~ckptlib.io.streaming.ChunkBuffers`); tensors are
 never held whole.
 """
 from __future__ import annotations
@@ -20,8 +20,8 @@ import struct
 import zlib
 from typing import Any, Callable, Optional
 
-from ..dtypes import BY_NAME, lookup
-from ..ranges import StoredRange
+from ...dtypes import BY_NAME, lookup
+from ...layout.ranges import StoredRange
 from ..sinks import PwriteSink, WriteBehind, pwrite_all
 from ..sources import SourceFiles
 from ..streaming import ChunkBuffers, copy_ranges
@@ -232,11 +232,11 @@ def save(obj: Any, path: str | os.PathLike, archive: Optional[str] = None,
     storage. Each :class:`NewTensor` gets a storage of its own, written with ``pwrite`` at an offset
     fixed in advance while its CRC-32 is computed chunk by chunk in the read-ahead thread; the zip
     headers are written last. Written bytes go on to disk as the file grows and leave the page cache
-    (:class:`~ckptlib.sinks.WriteBehind`; while an ``unsynced`` budget lasts they are left to the
-    kernel). ``files`` (a :class:`~ckptlib.sources.SourceFiles`) reads the
+    (:class:`~ckptlib.io.sinks.WriteBehind`; while an ``unsynced`` budget lasts they are left to the
+    kernel). ``files`` (a :class:`~ckptlib.io.sources.SourceFiles`) reads the
     sources; ``zip64_limit`` is for tests (sizes and offsets from it on get ZIP64 fields).
 
-    Memory: the pickle and the streaming buffers ``bufs`` (a :class:`~ckptlib.streaming.ChunkBuffers`,
+    Memory: the pickle and the streaming buffers ``bufs`` (a :class:`~ckptlib.io.streaming.ChunkBuffers`,
     3 x 8 MiB made here if not given).
     """
     members, records, cd_offset = _layout(obj, _archive_name(path, archive), zip64_limit)

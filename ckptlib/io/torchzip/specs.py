@@ -4,7 +4,7 @@
 - :class:`StoredTensor` — a tensor of an existing file, written by copying its storage byte for byte
   (views and shared storages stay as they were).
 - :class:`NewTensor` — a new contiguous tensor whose bytes are a range list
-  (:mod:`ckptlib.ranges`), read and written only when the file is written, or small inline bytes.
+  (:mod:`ckptlib.layout.ranges`), read and written only when the file is written, or small inline bytes.
 
 Object trees made of plain values, the unpickler's stand-ins and these specs pickle as they are, so a
 plan holding them can be sent to another process.
@@ -14,10 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..dtypes import Shaped, itemsize, name_of
-from ..ranges import numel as ranges_numel
-from ..ranges import paths as ranges_paths
-from ..ranges import stored_bytes
+from ...dtypes import Shaped, itemsize, name_of
+from ...layout.ranges import numel as ranges_numel
+from ...layout.ranges import paths as ranges_paths
+from ...layout.ranges import stored_bytes
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,8 @@
-"""Safe, metadata-first access to torch zip files (no DeepSpeed knowledge here)."""
+"""Safe, metadata-first access to torch zip files (no DeepSpeed knowledge here): the zip directory, the
+restricted unpickler and its stand-ins, tensor handles, and the writer.
+
+May import: the rest of :mod:`ckptlib.io` and the layers below it.
+"""
 from .handles import StorageRef, TensorHandle
 from .reader import GLOBAL_STATS, PickleMemo, ReadStats, TorchFile, classify_file_start, open_torch_file
 from .specs import NewTensor, StorageAddress, StoredTensor

@@ -7,9 +7,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .deepspeed import Checkpoint
-from .deepspeed.discovery import repair_hint
-from .units import human_bytes
+from ..deepspeed import Checkpoint
+from ..deepspeed.discovery import repair_hint
+from ..units import human_bytes
 
 
 def describe(ckpt: Checkpoint) -> dict[str, Any]:

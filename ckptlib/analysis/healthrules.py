@@ -7,7 +7,7 @@
 - :func:`step_items`: the optimizer step of every rank and (sub-)group: a number, or where its tensor is.
 - :func:`layout_problems`: what the files record about padding (``group_paddings``,
   ``param_slice_mappings``, the lengths of the optimizer states) against the layout arithmetic of
-  :mod:`ckptlib.layout`, so that no padding region covers parameter elements.
+  :mod:`ckptlib.layout.flat`, so that no padding region covers parameter elements.
 
 Steps and padding are looked at in every ZeRO set (each pipeline stage, each tensor rank); an MoE
 expert group is partitioned over its expert data-parallel group (``partition_count`` of that group),
@@ -20,13 +20,13 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from .deepspeed import NO_ZERO, Checkpoint
-from .deepspeed.join import PIPELINE
-from .deepspeed.moe import global_name
-from .dtypes import is_floating
-from .errors import IncompleteCheckpointError
+from ..deepspeed import NO_ZERO, Checkpoint
+from ..deepspeed.join import PIPELINE
+from ..deepspeed.moe import global_name
+from ..dtypes import is_floating
+from ..errors import IncompleteCheckpointError
+from ..io.torchzip import TensorHandle
 from .scan import Problem
-from .torchzip import TensorHandle
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,9 @@
     result = ckptlib.diff(plan)                       # streams both sides window by window
     print(result.summary()); result.ok                # every tensor the same?
 
-Each side is anything :func:`ckptlib.tensorsets.open_tensor_set` reads. Tensors are matched by name
+Each side is anything :func:`ckptlib.analysis.tensorsets.open_tensor_set` reads. Tensors are matched by name
 (optimizer states, with ``states``, as ``<key>/<name>``) and compared chunk by chunk: floating ones in
-fp32, integer and bool ones exactly (:meth:`ckptlib.compare.Comparer.difference`). Per tensor: ``status``
+fp32, integer and bool ones exactly (:meth:`ckptlib.analysis.compare.Comparer.difference`). Per tensor: ``status``
 (``same``, ``changed``, ``only_in_a``, ``only_in_b``, ``shape_changed``), ``max_abs_diff`` (over the
 elements finite on both sides) and ``rel_diff`` (``||a - b|| / ||a||``, float64). A tensor is ``same``
 when no element differs by more than ``atol + rtol * |b|`` (exact by default; NaN equals NaN).
@@ -21,16 +21,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional, Union
 
+from ..errors import CkptError
+from ..io.sources import SourceFiles, check_unchanged
+from ..io.streaming import DEFAULT_CHUNK_BYTES, load_cast_kernels
+from ..layout.ranges import stored_bytes
+from ..progress import Observer
+from ..system.memory import MemoryReport, watch_memory
+from ..units import human_bytes
 from .compare import Comparer
-from .errors import CkptError
-from .memory import MemoryReport, watch_memory
-from .progress import Observer
-from .ranges import stored_bytes
 from .scan import json_ready, num, progress_to, scan_peak_bytes
-from .sources import SourceFiles, check_unchanged
-from .streaming import DEFAULT_CHUNK_BYTES, load_cast_kernels
 from .tensorsets import NamedTensor, TensorSet, open_tensor_set
-from .units import human_bytes
 
 SAME, CHANGED, ONLY_IN_A, ONLY_IN_B, SHAPE_CHANGED = "same", "changed", "only_in_a", "only_in_b", "shape_changed"
 STATUSES = (SAME, CHANGED, ONLY_IN_A, ONLY_IN_B, SHAPE_CHANGED)

@@ -5,10 +5,10 @@ against a fixed allow-list:
 
 - containers and values torch uses (``collections.OrderedDict``, ``builtins.set``, numpy scalars), and
   torch's value types (``torch.Size``, ``torch.device``, the dtypes and legacy storage classes such as
-  ``torch.FloatStorage``), which resolve to ckptlib's stand-ins (:mod:`~ckptlib.torchzip.standins`):
+  ``torch.FloatStorage``), which resolve to ckptlib's stand-ins (:mod:`~ckptlib.io.torchzip.standins`):
   torch is never imported to read a pickle;
 - torch's tensor rebuild functions, which are replaced by functions that build a
-  :class:`~ckptlib.torchzip.handles.TensorHandle` (metadata only, no tensor bytes are read);
+  :class:`~ckptlib.io.torchzip.handles.TensorHandle` (metadata only, no tensor bytes are read);
 - the DeepSpeed classes found in checkpoints (``LossScaler``, ``DynamicLossScaler``, ``ZeroStageEnum``,
   ``fragment_address``, ...), which are mapped to inert stand-ins defined here. DeepSpeed is never
   imported.
@@ -25,11 +25,21 @@ import io
 import pickle
 from typing import Any, Callable
 
-from ..dtypes import BY_NAME, BY_STORAGE_CLASS
-from ..errors import UnsafeCheckpointError
+from ...dtypes import BY_NAME, BY_STORAGE_CLASS
+from ...errors import UnsafeCheckpointError
 from .handles import StorageRef, TensorHandle
-from .standins import (DynamicLossScaler, FragmentAddress, LossScaler, Namespace, Standin, TorchDevice, TorchDType,
-                       TorchSize, ZeroStage, torch_dtype_standin)
+from .standins import (
+    DynamicLossScaler,
+    FragmentAddress,
+    LossScaler,
+    Namespace,
+    Standin,
+    TorchDevice,
+    TorchDType,
+    TorchSize,
+    ZeroStage,
+    torch_dtype_standin,
+)
 
 
 # --------------------------------------------------------------------------------------------------

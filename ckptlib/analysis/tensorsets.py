@@ -1,7 +1,7 @@
 """Readable sets of named tensors: what ``ckpt diff`` compares, whatever each side is.
 
 A :class:`TensorSet` is a name -> :class:`NamedTensor` (dtype, shape, and the byte ranges of the
-flattened value, :mod:`ckptlib.ranges`) map, found from metadata alone. :func:`open_tensor_set` makes
+flattened value, :mod:`ckptlib.layout.ranges`) map, found from metadata alone. :func:`open_tensor_set` makes
 one from any of:
 
 - a DeepSpeed checkpoint ckptlib reads (any stage, world size or layout; save dir, tag folder, HF
@@ -27,15 +27,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
-from .deepspeed import Checkpoint, open_checkpoint
-from .deepspeed.discovery import detect
-from .deepspeed.files import LAYER_STATES, classify
-from .dtypes import Shaped, itemsize
-from .errors import CkptError, IncompleteCheckpointError, NotACheckpointError
-from .ranges import StoredRange
-from .sources import stamp
-from .stformat import read_header
-from .torchzip import TensorHandle, open_torch_file
+from ..deepspeed import Checkpoint, open_checkpoint
+from ..deepspeed.discovery import detect
+from ..deepspeed.files import LAYER_STATES, classify
+from ..dtypes import Shaped, itemsize
+from ..errors import CkptError, IncompleteCheckpointError, NotACheckpointError
+from ..io.sources import stamp
+from ..io.stformat import read_header
+from ..io.torchzip import TensorHandle, open_torch_file
+from ..layout.ranges import StoredRange
 
 CHECKPOINT, EXPORT, UNIVERSAL = "checkpoint", "export", "universal"
 LATEST_UNIVERSAL = "latest_universal"

@@ -1,8 +1,8 @@
 """What ``check`` and ``diff`` share: plans that only read, their progress, problems, numbers for JSON and text.
 
-Both stream every tensor they look at once, window by window (:mod:`ckptlib.compare`); their plans are
+Both stream every tensor they look at once, window by window (:mod:`ckptlib.analysis.compare`); their plans are
 plain data like export's (they pickle and print) and their results carry the run's memory
-(:class:`~ckptlib.memory.MemoryReport`) beside ``plan.predicted_peak_bytes``.
+(:class:`~ckptlib.system.memory.MemoryReport`) beside ``plan.predicted_peak_bytes``.
 """
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .progress import Observer, TqdmObserver, progress_to
-from .streaming import predicted_peak_bytes
+from ..io.streaming import predicted_peak_bytes
+from ..progress import Observer, TqdmObserver, progress_to
 
 
 def scan_peak_bytes(chunk_bytes: int) -> int:

@@ -3,7 +3,7 @@
 A :class:`TensorHandle` knows dtype, shape, stride, storage offset and the byte range of its storage
 in the file. :meth:`TensorHandle.ranges` gives the plain byte ranges of any run of its elements (what
 plans hold); its ``read_*`` methods read just the requested elements with ``pread`` (no mmap) through
-the :class:`~ckptlib.torchzip.reader.TorchFile` it came from, so reading a piece costs the memory of
+the :class:`~ckptlib.io.torchzip.reader.TorchFile` it came from, so reading a piece costs the memory of
 that piece and no file-backed resident memory.
 """
 from __future__ import annotations
@@ -12,19 +12,18 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..dtypes import BY_NAME, decode_scalar
-from ..dtypes import itemsize as dtype_itemsize
-from ..dtypes import torch_dtype
-from ..ranges import StoredRange
+from ...dtypes import BY_NAME, decode_scalar, torch_dtype
+from ...dtypes import itemsize as dtype_itemsize
+from ...layout.ranges import StoredRange
 from .specs import StorageAddress, StoredTensor
 
 
 @dataclass(eq=False)
 class StorageRef:
     """One storage record of an opened torch zip file: ``numel`` elements of ``dtype_name`` at
-    ``data_offset`` (see :class:`~ckptlib.torchzip.specs.StorageAddress`, its plain-data form)."""
+    ``data_offset`` (see :class:`~ckptlib.io.torchzip.specs.StorageAddress`, its plain-data form)."""
 
-    file: Any  # the ckptlib.torchzip.reader.TorchFile it belongs to (reads go through it)
+    file: Any  # the ckptlib.io.torchzip.reader.TorchFile it belongs to (reads go through it)
     key: str
     dtype_name: str
     numel: int
