@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ckptlib import casting  # noqa: E402
+from ckptlib.io import casting  # noqa: E402
 
 CHUNK = 16 * 2**20
 

@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptlib import casting
+from ckptlib.io import casting
 from ckptlib.io.casting import (CASTS, Scratch, bf16_to_f16, bf16_to_f32, can_cast, cast, f16_to_bf16, f16_to_f32,
                              f32_to_bf16, f32_to_f16)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import ckptlib
-from ckptlib import memory as mem
+from ckptlib.system import memory as mem
 from ckptlib.system.memory import (MemoryReport, MemorySampler, ProcessMemory, SystemMemory, cgroup_memory, memory_verdict,
                             process_memory, system_memory)
 

@@ -239,7 +239,7 @@ def test_export_wizard_shows_a_failing_run_in_the_widget(tmp_path, monkeypatch):
 
 
 def test_wizard_warns_when_the_predicted_peak_does_not_fit(tmp_path, monkeypatch):
-    from ckptlib import memory
+    from ckptlib.system import memory
 
     monkeypatch.setattr(memory, "system_memory", lambda: memory.SystemMemory(
         total=2**30, available=2**30, cgroup_limit=64 * 2**20, cgroup_usage=40 * 2**20))
