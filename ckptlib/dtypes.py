@@ -1,8 +1,8 @@
 """The one table of tensor dtypes ckptlib knows: names, sizes and what each file format calls them.
 
 Metadata code works with dtype *names* (``"float32"``, ``"bfloat16"``, ...: torch's names without
-``torch.``), so plans stay plain data. torch is imported only by :func:`torch_dtype`, when a tensor is
-actually made.
+``torch.``), so plans stay plain data. torch (an optional dependency: ``pip install 'ckptlib[torch]'``)
+is imported only through :func:`import_torch`, when a torch tensor is actually made.
 """
 from __future__ import annotations
 
@@ -107,12 +107,29 @@ class Shaped:
         return self.numel * itemsize(self.dtype)
 
 
-def torch_dtype(dtype: Any):
-    """The torch dtype (imports torch)."""
-    import torch
+def import_torch(purpose: str):
+    """The ``torch`` module, for ``purpose`` (what needs it, e.g. ``"reading a tensor as a torch tensor"``).
 
-    return getattr(torch, lookup(dtype).name)
+    Raises:
+        MissingDependencyError: torch is not installed; one line naming ``purpose`` and the install command.
+    """
+    try:
+        import torch
+    except ImportError:
+        from .errors import MissingDependencyError
+
+        raise MissingDependencyError(f"{purpose} needs torch, which is not installed") from None
+    return torch
+
+
+#: the purpose :func:`import_torch` names where a value is read as a torch tensor (the API's ``read_*``)
+TORCH_TENSORS = "reading values as torch tensors (Checkpoint.read_param, read_state, read_buffer)"
+
+
+def torch_dtype(dtype: Any):
+    """The torch dtype (imports torch: :func:`import_torch`)."""
+    return getattr(import_torch(TORCH_TENSORS), lookup(dtype).name)
 
 
 __all__ = ["DType", "BY_NAME", "BY_STORAGE_CLASS", "BY_SHORT", "OUTPUT_DTYPES", "lookup", "name_of", "itemsize",
-           "is_floating", "decode_scalar", "torch_dtype", "Shaped"]
+           "is_floating", "decode_scalar", "import_torch", "TORCH_TENSORS", "torch_dtype", "Shaped"]

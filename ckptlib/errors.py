@@ -11,6 +11,7 @@ small hierarchy so callers can catch :class:`CkptError` for everything, or a spe
   - :class:`OutputError` — a problem with the output location (exists, inside the source, disk full).
   - :class:`OutOfMemoryError` — an allocation failed: how much the run needs, what was left (also a ``MemoryError``).
   - :class:`Cancelled` — the user stopped an operation; nothing was written.
+  - :class:`MissingDependencyError` — an optional package (torch) that this operation needs is not installed.
 """
 from __future__ import annotations
 
@@ -82,3 +83,9 @@ class Cancelled(CkptError):
     """The operation was cancelled; nothing was written to the destination."""
 
     default_hint = "run it again to finish it; no output was created"
+
+
+class MissingDependencyError(CkptError, ImportError):
+    """An operation needs an optional package that is not installed (torch: ``pip install 'ckptlib[torch]'``)."""
+
+    default_hint = "pip install 'ckptlib[torch]'"

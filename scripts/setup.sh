@@ -2,7 +2,8 @@
 # Set up ckptlib in ./.venv on a fresh machine (idempotent).
 #   bash scripts/setup.sh          library + command line (+ notebook extras)
 #   bash scripts/setup.sh --dev    also DeepSpeed 0.19.8 and the test tools
-# torch is installed first, pinned, so that nothing pulls a multi-GB CUDA build.
+# ckptlib itself needs no torch (pip install ckptlib); the notebooks and the tests do: torch is installed
+# first, pinned, so that nothing pulls a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+from ..dtypes import import_torch
 from ..errors import Cancelled, CkptError
 from ..io.output import AtomicOutputDir, reporting_failures
 from ..io.sources import check_unchanged
@@ -48,6 +49,14 @@ from ..progress import Observer
 from ..system.memory import watch_memory
 from .runner import AnyOf, RunResult, compare_copies, finished, write_in_threads
 from .writers import Unit, assign, needs_cast_kernels, prepare, units, write_finals
+
+
+def _torch_distributed():
+    """``torch.distributed`` (torchrun's process group), or one line saying that torch is needed."""
+    import_torch("--distributed (a run under torchrun)")
+    import torch.distributed as dist
+
+    return dist
 
 
 class DistributedFailure(CkptError):
@@ -98,7 +107,7 @@ def process_group(backend: str = "gloo") -> Iterator[None]:
     Raises:
         CkptError: not started by torchrun, or the rendezvous failed.
     """
-    import torch.distributed as dist
+    dist = _torch_distributed()
 
     if dist.is_initialized():
         yield
@@ -149,7 +158,7 @@ def shared_plan(make: Callable[[], Plan]) -> Plan:
     Memory: the plan on every rank (and its pickled bytes while it is broadcast; kilobytes for the
     1 GB benchmark checkpoints).
     """
-    import torch.distributed as dist
+    dist = _torch_distributed()
 
     box: list = [None]
     failure: Optional[BaseException] = None
@@ -222,7 +231,7 @@ def run_distributed(plan: Plan, observer: Optional[Observer] = None, cancel: Any
     Memory per rank: ``plan.predicted_peak_bytes`` (``plan.workers`` writing threads per rank when the
     plan writes in threads, else one), whatever the model size.
     """
-    import torch.distributed as dist
+    dist = _torch_distributed()
 
     with process_group(), _sigterm_raises():
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -286,7 +295,7 @@ def verify_distributed(plan: Plan, out: os.PathLike):
     failed check (the others are not left waiting).
 
     Memory per rank: the comparer's buffers (as a single verification)."""
-    import torch.distributed as dist
+    dist = _torch_distributed()
 
     from ..analysis.verify import Check, Share, Verification, merge_verifications, verify
 
@@ -304,7 +313,7 @@ def verify_distributed(plan: Plan, out: os.PathLike):
 def _prepare_on_rank0(plan: Plan, rank: int) -> tuple[Path, Optional[AtomicOutputDir]]:
     """Step 1: rank 0 checks the source and makes the temporary folder; every rank learns where it is.
     Returns ``(tmp, atomic)`` (``atomic`` on rank 0 only)."""
-    import torch.distributed as dist
+    dist = _torch_distributed()
 
     atomic, msg, failure = None, [None], None
     if rank == 0:

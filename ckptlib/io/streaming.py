@@ -23,7 +23,7 @@ import sys
 import zlib
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-from ..dtypes import itemsize, torch_dtype
+from ..dtypes import TORCH_TENSORS, import_torch, itemsize, torch_dtype
 from ..layout.ranges import StoredRange, Zeros, numel, slice_ranges
 from ..plan import DEFAULT_CHUNK_BYTES, FIXED_OVERHEAD_BYTES, predicted_peak_bytes
 from ..progress import check_cancel
@@ -188,7 +188,8 @@ def cast_bytes(src: memoryview, src_dtype: str, out: memoryview, dtype: str, buf
     if can_cast(src_dtype, dtype):
         cast(src, src_dtype, out, dtype, bufs.scratch if bufs is not None else None)
         return
-    import torch  # a pair ckptlib.io.casting does not do (float64, integers to floats): torch's own cast
+    # a pair ckptlib.io.casting does not do (float64, integers to floats): torch's own cast
+    torch = import_torch(f"casting {src_dtype} to {dtype}")
 
     n = src.nbytes // itemsize(src_dtype)
     if n:
@@ -321,8 +322,7 @@ def read_ranges(ranges: Sequence, dtype: str, files: SourceFiles):
 
     Memory: the result plus the largest range in its stored dtype.
     """
-    import torch
-
+    torch = import_torch(TORCH_TENSORS)
     out = torch.empty(numel(ranges), dtype=torch_dtype(dtype))
     pos = 0
     for r in ranges:
@@ -340,9 +340,7 @@ def read_ranges(ranges: Sequence, dtype: str, files: SourceFiles):
 
 
 def _tensor_bytes(t) -> memoryview:
-    import torch
-
-    return memoryview(t.view(torch.uint8).numpy())
+    return memoryview(t.view(import_torch(TORCH_TENSORS).uint8).numpy())
 
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "FIXED_OVERHEAD_BYTES", "predicted_peak_bytes", "ChunkBuffers", "load_cast_kernels",

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ...dtypes import BY_NAME, decode_scalar, torch_dtype
+from ...dtypes import BY_NAME, TORCH_TENSORS, decode_scalar, import_torch, torch_dtype
 from ...dtypes import itemsize as dtype_itemsize
 from ...layout.ranges import StoredRange
 from .specs import StorageAddress, StoredTensor
@@ -186,8 +186,7 @@ class TensorHandle:
         Memory: ``count`` elements (into ``out`` if given: a 1-D tensor of this dtype and length
         ``count``, which is then returned). Only those bytes are read from the file.
         """
-        import torch
-
+        torch = import_torch(TORCH_TENSORS)
         count = self.numel - start if count is None else count
         ranges = self.ranges(start, count)
         if len(ranges) == 1:

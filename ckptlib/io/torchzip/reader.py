@@ -285,9 +285,9 @@ class TorchFile:
         Memory: the range's bytes (none extra when ``out`` is given: a contiguous 1-D tensor of the
         range's dtype and length, which is then returned).
         """
-        import torch
+        from ...dtypes import TORCH_TENSORS, import_torch, torch_dtype
 
-        from ...dtypes import torch_dtype
+        torch = import_torch(TORCH_TENSORS)
 
         if r.path != self.path:
             raise ValueError(f"the range lies in {r.path}, not in {self.path}")
