@@ -1,6 +1,9 @@
 """The project's own files stay consistent: environment.yml follows pyproject.toml; notebooks are clean."""
 import json
+import os
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -53,3 +56,61 @@ def test_notebooks_are_committed_without_outputs():
     for nb in (ROOT / "notebooks").glob("*.ipynb"):
         cells = json.loads(nb.read_text())["cells"]
         assert not any(c.get("outputs") or c.get("execution_count") for c in cells if c["cell_type"] == "code"), nb
+
+
+README = ROOT / "README.md"
+SAMPLE = ROOT / "samples" / "zero2_bf16_w2" / "ckpt"
+GUIDES = ["export", "reshard", "huggingface", "dcp", "check-diff", "notebooks", "distributed", "safety"]
+
+
+def _code_blocks(text: str) -> list[tuple[str, list[str]]]:
+    """``(heading above it, lines)`` of every fenced ``bash`` block."""
+    out, heading, block = [], "", None
+    for line in text.splitlines():
+        if block is None and line.startswith("#"):
+            heading = line.lstrip("#").strip()
+        elif block is None and line.startswith("```bash"):
+            block = []
+        elif block is not None and line.startswith("```"):
+            out.append((heading, block))
+            block = None
+        elif block is not None:
+            block.append(line)
+    return out
+
+
+def _links(path: Path) -> list[str]:
+    return [m for m in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", path.read_text()) if "://" not in m]
+
+
+def test_readme_is_a_front_page():
+    text = README.read_text()
+    assert len(text.splitlines()) <= 150
+    first = _code_blocks(text)[0][1]  # the two commands for a fresh machine come first
+    assert first[0].startswith("bash scripts/demo.sh") and first[1].startswith("bash scripts/test.sh")
+    linked = set(_links(README))
+    for guide in GUIDES:
+        assert f"docs/{guide}.md" in linked, f"docs/{guide}.md is not linked from the README"
+
+
+def test_every_relative_link_of_the_docs_resolves():
+    for page in [README, *sorted((ROOT / "docs").glob("*.md"))]:
+        for link in _links(page):
+            assert (page.parent / link).exists(), f"{page.relative_to(ROOT)} links {link}, which does not exist"
+
+
+def test_the_readme_commands_run(tmp_path):
+    """The five commands of the README, as written there, on the bundled sample (exit 0: healthy, and the
+    export diffs as the same)."""
+    (heading, lines), = [b for b in _code_blocks(README.read_text()) if b[0] == "The five commands"]
+    commands = [line.split("#", 1)[0].split() for line in lines if line.startswith("ckpt ")]
+    assert [c[1] for c in commands] == ["inspect", "export", "reshard", "check", "diff"]
+    names = {"CKPT": str(SAMPLE), "EXPORT": str(tmp_path / "export"), "RESHARDED": str(tmp_path / "resharded")}
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    for cmd in commands:
+        args = [names.get(a, a) for a in cmd[1:]]
+        r = subprocess.run([sys.executable, "-m", "ckptlib", *args], capture_output=True, text=True, env=env,
+                           timeout=300)
+        assert r.returncode == 0, f"{' '.join(cmd)}: exit {r.returncode}\n{r.stdout[-2000:]}{r.stderr[-2000:]}"
+        assert r.stdout.strip() and "Traceback" not in r.stderr
+    assert (tmp_path / "export" / "model.safetensors").is_file() and (tmp_path / "resharded" / "latest").is_file()
