@@ -12,6 +12,7 @@ Public API::
     assert ckptlib.verify(plan).ok                            # every tensor re-read and compared
 
     health = ckptlib.check("output/checkpoint-500")           # statistics and problems, streamed
+    assert ckptlib.verify_loaded(engine, "output/checkpoint-500").ok  # after engine.load_checkpoint
     d = ckptlib.diff("output/checkpoint-500", "out")          # any two checkpoints / exports, tensor by tensor
 
 The house, lowest layer first (a package imports only its own layer and those below; tests/test_structure.py):
@@ -50,6 +51,7 @@ _API = {
     ".execute": ("RunResult", "run", "run_distributed"),
     ".analysis.summary": ("describe",),
     ".analysis.verify": ("Preflight", "Verification", "preflight", "verify"),
+    ".analysis.loaded": ("LoadVerification", "verify_loaded"),
     ".analysis.health": ("CheckPlan", "CheckResult", "check", "plan_check"),
     ".analysis.tensordiff": ("DiffPlan", "DiffResult", "diff", "plan_diff"),
     ".analysis.tensorsets": ("TensorSet", "open_tensor_set"),
@@ -88,7 +90,7 @@ __all__ = [
     "Checkpoint", "open_checkpoint", "describe", "Rank", "plan_export", "export", "ExportPlan", "ExportResult",
     "Observer", "Cancelled", "plan_reshard", "reshard", "ReshardPlan", "ReshardResult",
     "plan_universal", "write_universal", "UniversalPlan", "UniversalResult", "Plan", "run", "run_distributed",
-    "RunResult", "verify", "Verification", "preflight", "Preflight",
+    "RunResult", "verify", "Verification", "preflight", "Preflight", "verify_loaded", "LoadVerification",
     "plan_check", "check", "CheckPlan", "CheckResult", "plan_diff", "diff", "DiffPlan", "DiffResult",
     "open_tensor_set", "TensorSet",
     "CkptError", "IncompleteCheckpointError", "NotACheckpointError", "OutputError", "UnsafeCheckpointError",

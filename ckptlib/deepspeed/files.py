@@ -9,6 +9,7 @@ Names as DeepSpeed writes them (the dp rank is not zero padded, the mp rank is `
 ``layer_{idx:02d}[-model_{tp:02d}]-model_states.pt``   pipeline layer weights
 ``[layer_{l}_]expert_{e}_mp_rank_{mp:02d}_model_states.pt``  MoE expert weights
 ``expp_rank_{ep}_mp_rank_{mp:02d}_optim_states.pt``    MoE expert optimizer states
+``offloaded_tensors/rank{NN}/[{state}-]{a}_{b}.tensor.swp``  NVMe swap files (see :mod:`.offload`)
 =====================================================  ==========================================
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ LAYER_STATES = "layer_states"
 EXPERT_STATES = "expert_states"
 EXPERT_OPTIM_STATES = "expert_optim_states"
 OTHER = "other"
+SWAP = "swap"  # a file of offloaded_tensors/ (NVMe offload)
 
 _PATTERNS = [
     (re.compile(r"^mp_rank_(?P<mp>\d+)_model_states\.pt$"), MODEL_STATES),
@@ -50,7 +52,7 @@ class FileRole:
 
     @property
     def sort_key(self) -> tuple:
-        order = [MODEL_STATES, OPTIM_STATES, LAYER_STATES, EXPERT_STATES, EXPERT_OPTIM_STATES, OTHER]
+        order = [MODEL_STATES, OPTIM_STATES, LAYER_STATES, EXPERT_STATES, EXPERT_OPTIM_STATES, OTHER, SWAP]
         return (order.index(self.kind), self.mp_rank if self.mp_rank is not None else -1,
                 self.dp_rank if self.dp_rank is not None else -1, self.layer or 0, self.expert or 0,
                 natural_key(self.name))

@@ -8,11 +8,13 @@ from ..errors import CkptError, UnsafeCheckpointError
 from ..io.torchzip import PickleMemo, ReadStats, TorchFile
 from . import files as fnames
 from .discovery import Location
+from .offload import swap_name, swap_paths
 from .records import FileInfo
 
 
 def list_files(location: Location) -> list[FileInfo]:
-    """The tag folder's files with their roles, in a stable order (kind, ranks, natural name)."""
+    """The tag folder's files with their roles, in a stable order (kind, ranks, natural name), then the
+    NVMe swap files under ``offloaded_tensors/`` (kind ``swap``, ``dp_rank`` from their rank folder)."""
     given = location.given.resolve()
     out = []
     for p in location.tag_dir.iterdir():
@@ -22,7 +24,14 @@ def list_files(location: Location) -> list[FileInfo]:
         out.append((role.sort_key, FileInfo(path=p, relpath=os.path.relpath(p, given), bytes=p.stat().st_size,
                                             kind=role.kind, dp_rank=role.dp_rank, mp_rank=role.mp_rank,
                                             prefix=role.prefix, layer=role.layer, expert=role.expert)))
-    return [f for _, f in sorted(out, key=lambda t: t[0])]
+    swaps = []
+    for p in swap_paths(location.tag_dir):
+        name = swap_name(location.tag_dir, p)
+        rel = os.path.relpath(p, location.tag_dir)
+        swaps.append(((name.rank if name else -1, fnames.natural_key(rel)),
+                      FileInfo(path=p, relpath=os.path.relpath(p, given), bytes=p.stat().st_size, kind=fnames.SWAP,
+                               dp_rank=name.rank if name else None)))
+    return [f for _, f in sorted(out, key=lambda t: t[0])] + [f for _, f in sorted(swaps, key=lambda t: t[0])]
 
 
 class OpenedFiles:

@@ -42,7 +42,6 @@ def parse(fs: OpenedFiles, notes: list, problems: list, mp: int = 0, module: Opt
         raise NotACheckpointError("no model-states file (*_model_states.pt) in the tag folder",
                                   path=fs.location.tag_dir,
                                   hint="the save is incomplete, or this is not a DeepSpeed tag folder")
-    _note_unsupported_files(rec, fs)
     model = _model_states(fs, model_files[0])
     if module is not None or shared is not None:  # a copy: the unpickled tree is never changed
         model = dict(model, **({"module": module} if module is not None else {}),
@@ -89,12 +88,6 @@ def parse(fs: OpenedFiles, notes: list, problems: list, mp: int = 0, module: Opt
 
 
 # ---------------------------------------------------------------------------------------------- pieces
-def _unsupported(rec: Records, sentence: str) -> None:
-    """A layout ckptlib refuses to read: listed with the problems, and refused by ``check_readable``."""
-    rec.problems.append(sentence)
-    rec.unsupported.append(sentence)
-
-
 def _expert_optimizers(fs: OpenedFiles) -> dict:
     """ZeRO-0 MoE: each expert-parallel rank's whole optimizer state (``expp_rank_{e}`` files)."""
     out = {}
@@ -105,12 +98,6 @@ def _expert_optimizers(fs: OpenedFiles) -> dict:
             if isinstance(opt, dict):
                 out[f.dp_rank] = opt
     return out
-
-
-def _note_unsupported_files(rec: Records, fs: OpenedFiles) -> None:
-    if (fs.location.tag_dir / "offloaded_tensors").is_dir():
-        _unsupported(rec, "offloaded_tensors/ found: checkpoints of NVMe-offloaded optimizer state keep their "
-                          "tensors outside the .pt files and are not supported yet")
 
 
 def _model_states(fs: OpenedFiles, first) -> dict:

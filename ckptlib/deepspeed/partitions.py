@@ -13,6 +13,7 @@ from ..errors import UnsupportedCheckpointError
 from ..io.torchzip import TensorHandle
 from ..layout.flat import FlatGroupLayout, Zero3Layout
 from . import files as fnames
+from . import offload
 from .fileset import OpenedFiles
 from .moe import expert_groups, expert_id, global_name
 from .records import BF16_OPTIMIZER, FileInfo, ParameterInfo, Records
@@ -98,6 +99,7 @@ def build_zero3(rec: Records, fs: OpenedFiles, model: dict, model_files: list[Fi
     rec.layouts = [layout]
     check_rank_files(rec, optim_files, n, "optimizer-state")
     check_rank_files(rec, model_files, n, "model-states")
+    empties: dict[int, dict] = {}  # NVMe offload: dp -> {sub-group: its (0,) placeholder}
     for rank, osd in sorted(optim.items()):
         r, flats = rank.dp, osd.get("fp32_flat_groups")
         if r >= n:
@@ -110,13 +112,12 @@ def build_zero3(rec: Records, fs: OpenedFiles, model: dict, model_files: list[Fi
             if not isinstance(t, TensorHandle) or t.numel != want:
                 got = t.numel if isinstance(t, TensorHandle) else type(t).__name__
                 if isinstance(t, TensorHandle) and t.numel == 0 and want:
-                    sentence = (f"rank {r} sub-group {k}: the fp32 partition is empty (NVMe-offloaded "
-                                "optimizer state is not supported yet)")
-                    rec.problems.append(sentence)
-                    rec.unsupported.append(sentence)
+                    empties.setdefault(r, {})[k] = t  # swapped to NVMe: its swap files are matched below
                 else:
                     rec.problems.append(f"rank {r} sub-group {k}: the fp32 partition holds {got} elements, "
                                         f"{want} are expected from param_shapes at {n} ranks")
+    if empties:
+        _swapped_partitions(rec, fs, model, layout, empties)
     trainable = {name: (tuple(shape), k) for k, group in enumerate(sub_groups) for name, shape in group.items()}
     frozen_shapes = {nm: tuple(s) for nm, s in (model.get("frozen_param_shapes") or {}).items()}
     # every rank's model file holds its chunk of each frozen parameter; ties are those rank 0 records. Each
@@ -135,6 +136,36 @@ def build_zero3(rec: Records, fs: OpenedFiles, model: dict, model_files: list[Fi
         else:
             rec.problems.append(f"frozen parameter {name}: chunks missing on some ranks")
     collect_parameters(rec, model, trainable, frozen_shapes, shared or {})
+
+
+def _swapped_partitions(rec: Records, fs: OpenedFiles, model: dict, layout: Zero3Layout, empties: dict) -> None:
+    """Find the swap files of the sub-groups saved as empty placeholders (NVMe offload, see
+    :mod:`ckptlib.deepspeed.offload`) and index them (``rec.index.swapped``), or add the problems."""
+    where = fs.location.tag_dir
+    if not (where / offload.SWAP_DIR).is_dir():
+        rec.problems.append(f"{len(empties)} rank(s) saved empty fp32 partitions (NVMe offload), but the tag folder "
+                            f"has no {offload.SWAP_DIR}/ folder: the swapped optimizer state was not copied")
+        return
+    if (rec.mp_world_size or 1) > 1:
+        sentence = ("NVMe-offloaded optimizer state with model parallelism: its swap folders are named by global "
+                    "rank, which ckptlib does not map to the ZeRO sets yet")
+        rec.problems.append(sentence)
+        rec.unsupported.append(sentence)
+        return
+    states: dict[int, dict] = {}
+    osds = {rank.dp: osd for rank, osd in rec.index.optim.items()}
+    for r, subs in empties.items():
+        inner = osds[r].get("optimizer_state_dict") or {}
+        for k in subs:
+            saved = (inner.get("state") or {}).get(k) or {}
+            states.setdefault(r, {})[k] = {key: v for key, v in saved.items()
+                                           if isinstance(v, TensorHandle) and v.numel == 0 and key != "step"}
+    found = offload.resolve(where, layout, model, empties, states, rec.ds_config, rec.problems)
+    rec.index.swapped = found.tensors
+    if found.tensors:
+        ranks = sorted({dp for dp, _ in found.tensors})
+        rec.notes.append(f"NVMe offload: {len(found.tensors)} partition(s) of {len(ranks)} rank(s) are read from "
+                         f"{offload.SWAP_DIR}/ (DeepSpeed's parameter ids start at {found.offset})")
 
 
 # ============================================================================================ stage 0

@@ -91,6 +91,7 @@ class TensorIndex:
     stage0_optimizer: Any = None                     # the model file's 'optimizer' entry (stage 0)
     stage0_optimizers: dict = field(default_factory=dict)  # ZeRO-0 MoE: expert-parallel rank -> its optimizer
     experts: dict = field(default_factory=dict)      # MoE: global name -> (group, expert-parallel rank, local name)
+    swapped: dict = field(default_factory=dict)      # NVMe offload: (dp, sub-group) -> {state or None: RawTensor}
 
 
 @dataclass

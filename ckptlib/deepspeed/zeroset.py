@@ -122,7 +122,11 @@ class ZeroSet:
     def partition_tensor(self, rank: Rank, group: int, state: Optional[str] = None) -> TensorHandle:
         """The flat tensor of ``rank``'s partition of ``group`` (ZeRO-1/2: the parameter group; ZeRO-3: the
         sub-group): the fp32 master when ``state`` is None, else the optimizer state ``state``
-        (e.g. ``"exp_avg"``). Metadata only."""
+        (e.g. ``"exp_avg"``). Metadata only. A partition swapped to NVMe is a
+        :class:`~ckptlib.io.rawfile.RawTensor` in its swap file (see :mod:`ckptlib.deepspeed.offload`)."""
+        swapped = self.records.index.swapped.get((rank.dp, group)) if self.zero_stage == 3 else None
+        if swapped is not None and state in swapped:
+            return swapped[state]
         osd = self.optimizer_state_dict(rank)
         if state is None:
             return osd["fp32_flat_groups" if self.zero_stage == 3 else "single_partition_of_fp32_groups"][group]

@@ -107,8 +107,12 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
             name, obj = resharder.optim_states(r)
             files.append(trees.make(f"{tag_name}/{name}", "optim_states", obj, r, resharder.feeds(r)))
     for f in ck.files:
-        if f.kind not in (fnames.MODEL_STATES, fnames.OPTIM_STATES):
+        if f.kind not in (fnames.MODEL_STATES, fnames.OPTIM_STATES, fnames.SWAP):
             files.append(CopyFile(f"{tag_name}/{f.path.name}", os.fspath(f.path), f.bytes))
+    if any(f.kind == fnames.SWAP for f in ck.files):
+        notes.append("NVMe offload: the partitions kept in offloaded_tensors/ are written into the .pt files; the "
+                     "target has no swap files, so load it with offload_optimizer on cpu or none (DeepSpeed's "
+                     "NVMe load reads offloaded_tensors/ instead of the .pt files; see docs/resume.md)")
     for script in converter_scripts(ck):
         files.append(CopyFile(Path(script).name, script, os.path.getsize(script)))
     if hf_files:

@@ -89,6 +89,7 @@ from typing import Any, ClassVar, Optional, Union
 from ..deepspeed import NO_ZERO, Checkpoint, open_checkpoint
 from ..deepspeed import files as fnames
 from ..errors import IncompleteCheckpointError, UnsupportedCheckpointError
+from ..io.rawfile import RawTensor
 from ..io.streaming import DEFAULT_CHUNK_BYTES
 from ..io.torchzip import TensorHandle
 from ..mesh import Rank
@@ -181,10 +182,12 @@ class _Source:
         other = set()
         for g, numel in self.group_numel.items():
             keys = []
+            swapped = ck.records.index.swapped.get((0, g)) or {}  # NVMe offload: kept in swap files
             for key, v in (self.state.get(g) or {}).items():
                 if key == "step":
                     continue
-                if isinstance(v, TensorHandle) and len(v.shape) == 1 and v.numel == numel:
+                v = swapped.get(key, v)
+                if isinstance(v, (TensorHandle, RawTensor)) and len(v.shape) == 1 and v.numel == numel:
                     keys.append(key)
                 else:
                     other.add(key)
@@ -251,7 +254,9 @@ def _notes(ck: Checkpoint, tied: list, skipped_frozen: list) -> list[str]:
     if (ck.ds_config.get("zero_optimization") or {}).get("round_robin_gradients"):
         notes.append("saved with round_robin_gradients: load it with round_robin_gradients off, since DeepSpeed "
                      "0.19.8 engines with it on put every universal fragment at its natural-order offset")
-    skipped = [f.path.name for f in ck.files if f.kind not in (fnames.MODEL_STATES, fnames.OPTIM_STATES)]
+    skipped = [f.path.name for f in ck.files if f.kind not in (fnames.MODEL_STATES, fnames.OPTIM_STATES, fnames.SWAP)]
+    if any(f.kind == fnames.SWAP for f in ck.files):
+        notes.append("NVMe offload: the partitions kept in offloaded_tensors/ are written into the universal files")
     if skipped:
         notes.append(f"not carried over (the universal loader does not read them): {', '.join(skipped)}")
     return notes

@@ -7,6 +7,7 @@ from typing import Any, Optional
 from ..deepspeed import ZeroSet
 from ..deepspeed import files as fnames
 from ..errors import UnsupportedCheckpointError
+from ..io.rawfile import RawTensor
 from ..io.torchzip import TensorHandle
 from ..io.torchzip.standins import TorchSize
 from ..layout.flat import Piece, Zero3Layout, chunk_size, reslice_zero3, zero3_sub_groups
@@ -121,7 +122,9 @@ class Zero3Resharder:
             for k in self.dst_group_subs[g]:
                 new = type(template)()
                 for key, v in template.items():
-                    if isinstance(v, TensorHandle) and v.numel == self.src.sub_group_sizes[first_src] and v.numel > 1:
+                    v = self._saved(first_src, key, v)
+                    if isinstance(v, (TensorHandle, RawTensor)) and v.numel == self.src.sub_group_sizes[first_src] \
+                            and v.numel > 1:
                         new[key] = streamed(v.dtype_name, to_ranges(ck, pieces[k], key), requires_grad=v.requires_grad)
                     else:  # step and other scalars; each sub-group keeps a tensor of its own, as DeepSpeed saves it
                         new[key] = copied(v) if isinstance(v, TensorHandle) else v
@@ -130,6 +133,12 @@ class Zero3Resharder:
         new_inner = replace(inner, state=state, param_groups=groups)
         new_osd = replace(osd0, partition_count=m, fp32_flat_groups=flats, optimizer_state_dict=new_inner)
         return (fnames.optim_states_name(rank, ck.mp, prefix=self._prefix), replace(top, optimizer_state_dict=new_osd))
+
+    def _saved(self, sub_group: int, key: str, placeholder):
+        """Source rank 0's state ``key`` of ``sub_group``: from its swap file when NVMe offload kept it there
+        (the optimizer file then holds an empty placeholder), else as the optimizer file holds it."""
+        swapped = self.ck.records.index.swapped.get((0, sub_group))
+        return swapped[key] if swapped and key in swapped else placeholder
 
     def feeds(self, rank: int) -> list[int]:
         """The source ranks whose bytes target ``rank`` reads."""
