@@ -14,6 +14,7 @@ from .. import __version__
 from ..dtypes import OUTPUT_DTYPES
 from ..errors import CkptError
 from ..units import human_bytes
+from .resume import add_arguments as resume_arguments
 
 TP_RULES_HELP = ("tensor-parallel checkpoints saved without universal_checkpoint_info: a JSON file with its keys "
                  "(tp_replicated_parameter_patterns, parameter_with_row_parallelism_patterns, "
@@ -121,6 +122,10 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from ..analysis.health import check, plan_check
     from ..analysis.scan import ReadTqdm
 
+    if args.resume_at is not None:
+        from . import resume
+
+        return resume.run(args)
     plan = plan_check(args.path, tag=args.tag, states=args.states, tp_rules=args.tp_rules)
     for note in plan.notes:
         print(f"note: {note}", file=sys.stderr)
@@ -240,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON: tensors, problems, bytes_read")
     p.add_argument("--tp-rules", metavar="FILE", help=TP_RULES_HELP)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    resume_arguments(p)
     p.set_defaults(func=_cmd_check)
 
     p = add_parser("diff", help="compare two checkpoints, exports or universal checkpoints tensor by tensor; "

@@ -118,6 +118,9 @@ def build_zero3(rec: Records, fs: OpenedFiles, model: dict, model_files: list[Fi
                                         f"{want} are expected from param_shapes at {n} ranks")
     if empties:
         _swapped_partitions(rec, fs, model, layout, empties)
+    elif (fs.location.tag_dir / offload.SWAP_DIR).is_dir():
+        rec.notes.append(f"NVMe offload was configured, but no sub-group was swapped ({offload.SWAP_DIR}/ holds "
+                         f"{len(offload.swap_paths(fs.location.tag_dir))} files): every tensor is in the .pt files")
     trainable = {name: (tuple(shape), k) for k, group in enumerate(sub_groups) for name, shape in group.items()}
     frozen_shapes = {nm: tuple(s) for nm, s in (model.get("frozen_param_shapes") or {}).items()}
     # every rank's model file holds its chunk of each frozen parameter; ties are those rank 0 records. Each
@@ -165,7 +168,7 @@ def _swapped_partitions(rec: Records, fs: OpenedFiles, model: dict, layout: Zero
     if found.tensors:
         ranks = sorted({dp for dp, _ in found.tensors})
         rec.notes.append(f"NVMe offload: {len(found.tensors)} partition(s) of {len(ranks)} rank(s) are read from "
-                         f"{offload.SWAP_DIR}/ (DeepSpeed's parameter ids start at {found.offset})")
+                         f"{offload.SWAP_DIR}/ (DeepSpeed's parameter ids start at {found.offset}); " + offload.WHY)
 
 
 # ============================================================================================ stage 0
