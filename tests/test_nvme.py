@@ -115,6 +115,16 @@ def test_check_reads_the_swap_files(nvme, name):
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+@pytest.mark.parametrize("name", ["nvme_all_fp32_adamw", "nvme_one_bf16_cpuadam"])
+def test_universal_and_diff(nvme, name, tmp_path):
+    """The universal layout holds every swapped partition: `ckpt diff --states` finds it equal to the source."""
+    fx = nvme[name]
+    ckptlib.write_universal(fx["checkpoint_path"], tmp_path / "uni")
+    r = ckpt_cli("diff", fx["checkpoint_path"], tmp_path / "uni", "--states", "-q")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert " 0 changed" in r.stdout and "0 only in A" in r.stdout and "0 only in B" in r.stdout, r.stdout
+
+
 def _copy(fx, tmp_path):
     dst = tmp_path / "ckpt"
     shutil.copytree(fx["checkpoint_path"], dst)

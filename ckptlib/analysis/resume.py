@@ -173,15 +173,18 @@ def _stage_and_dtype(ck: Checkpoint, t: Target) -> list[Finding]:
             msg = f"FileNotFoundError: [Errno 2] No such file or directory: '{tag_dir}/{_optim_name(t, 0)}'"
         else:
             msg = "AttributeError: 'NoneType' object has no attribute 'copy'"
-        out.append(Finding(REFUSED, f"saved at ZeRO-{saved}, loaded at ZeRO-{t.zero_stage}", deepspeed=msg,
-                           fix=_reshard(ck, t, universal=True) if saved else None))
+        out.append(Finding(REFUSED, f"saved at ZeRO-{saved}, loaded at ZeRO-{t.zero_stage}; no ckpt command changes "
+                           "the stage (DeepSpeed's universal loader refuses a stage change too: AssertionError), so "
+                           "resume at the saved stage, or start a new run from `ckpt export --states exp_avg,exp_avg_sq`",
+                           deepspeed=msg))
     prefix = next((f.prefix for f in ck.files if f.kind == fnames.OPTIM_STATES), None)
     if prefix is not None and saved == t.zero_stage and (prefix == "bf16_") != (t.dtype == "bf16"):
         out.append(Finding(REFUSED, f"saved in {ck.dtype}, loaded in {t.dtype}: DeepSpeed names its optimizer files "
                            "with a bf16_ prefix in bf16 only, and looks for its own dtype's names",
                            deepspeed=f"FileNotFoundError: [Errno 2] No such file or directory: "
                                      f"'{tag_dir}/{_optim_name(t, 0)}'",
-                           fix=_reshard(ck, t, universal=True)))
+                           fix=_reshard(ck, t, universal=True) + "; the universal loader restores the masters, "
+                               "moments and step exactly in another dtype, but not frozen parameters or buffers"))
     return out
 
 
