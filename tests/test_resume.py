@@ -78,6 +78,39 @@ def test_prediction_matches_deepspeed(fixture_by_name, loaded, name, fx, over, v
         assert exact(res["loaded"], reference(fixture)) == []
 
 
+# pipeline and tensor-parallel fixtures loaded at 2 ranks (their data-parallel size changes, the mesh stays)
+MESH_CASES = [("pp2 dp1 same", "pp2_dp1_z1_bf16", 2, 1, LOADS), ("pp2 dp 2->1", "pp2_dp2_z1_bf16", 2, 1, REFUSED),
+              ("tp2 dp 2->1", "tp2_dp2_z1_bf16", 1, 2, REFUSED)]
+
+
+@pytest.fixture(scope="module")
+def mesh_loaded(parallel_fixtures, tmp_path_factory):
+    from tests.fixtures.parallel.check import run_load_checks as run_parallel
+
+    jobs = [{"name": name, "fixture": str(parallel_fixtures[fx]["path"]), "checkpoint_dir": None, "tag": None,
+             "universal": False} for name, fx, *_ in MESH_CASES]
+    return run_parallel(jobs, world=2, workdir=tmp_path_factory.mktemp("resume-mesh"))
+
+
+@pytest.mark.parametrize("name,fx,pp,tp,verdict", MESH_CASES, ids=[c[0] for c in MESH_CASES])
+def test_mesh_prediction_matches_deepspeed(parallel_fixtures, mesh_loaded, name, fx, pp, tp, verdict):
+    res = mesh_loaded[name]
+    fixture = parallel_fixtures[fx]
+    predicted = resume_check(fixture["checkpoint_path"], res["config"], 2, pp=pp, tp=tp)
+    assert predicted.verdict == verdict, predicted.describe()
+    if verdict == REFUSED:
+        assert "error" in res and res["phase"] == "load", res
+        assert res["error"] in [f.deepspeed for f in predicted.findings], (res["error"], predicted.describe())
+    else:
+        assert "error" not in res, res
+        ref = torch.load(fixture["path"] / "reference.pt", weights_only=True)
+        assert all(torch.equal(res["loaded"]["params"][n], t) for n, t in ref["params"].items())
+        assert res["loaded"]["step"] == ref["step"]
+    # another mesh than the saved one is predicted refused (not loaded here: no fixture changes tp or pp)
+    other = resume_check(fixture["checkpoint_path"], res["config"], 4, pp=pp * 2, tp=tp)
+    assert other.verdict == REFUSED and any("pipeline size" in f.what for f in other.findings)
+
+
 def test_dp_change_fix_is_a_reshard(fixture_by_name):
     fx = fixture_by_name("z2_bf16_w3")
     r = resume_check(fx["checkpoint_path"], {"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}, 2)
