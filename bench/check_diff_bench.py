@@ -13,73 +13,61 @@ exact export). Prints a markdown table; ratios are against `ckpt export` (see do
 """
 from __future__ import annotations
 
-import argparse
-import json
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import IMPORTS, MIB, baseline, check_ok, ckpt, parser, work_folder, write_json  # noqa: E402
 from procmon import drop_caches, medians, run  # noqa: E402
 
-PY = sys.executable
-MIB = 2**20
 TOOLS = ("export", "check", "check-states", "diff")
-BASELINES = {"export": "import ckptlib.cli, ckptlib.export, numpy",  # what `ckpt export -q` imports (no torch)
-             "checkdiff": "import ckptlib.cli, ckptlib.analysis.health, ckptlib.analysis.tensordiff, ckptlib.analysis.scan, tqdm, numpy"}
 LABELS = {"export": "ckpt export CKPT OUT", "check": "ckpt check CKPT", "check-states": "ckpt check CKPT --states",
           "diff": "ckpt diff CKPT OUT"}
 
 
-def command(tool: str, ckpt: Path, out: Path) -> list[str]:
-    base = [PY, "-P", "-m", "ckptlib"]  # -P: the installed ckptlib, not the working folder first on sys.path
+def command(tool: str, checkpoint: Path, out: Path) -> list[str]:
     if tool == "export":
-        return base + ["export", str(ckpt), str(out), "-q"]
+        return ckpt("export", checkpoint, out, "-q")
     if tool == "check":
-        return base + ["check", str(ckpt), "-q"]
+        return ckpt("check", checkpoint, "-q")
     if tool == "check-states":
-        return base + ["check", str(ckpt), "--states", "-q"]
-    return base + ["diff", str(ckpt), str(out), "-q"]
+        return ckpt("check", checkpoint, "--states", "-q")
+    return ckpt("diff", checkpoint, out, "-q")
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("checkpoints", nargs="+", type=Path)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--work", type=Path, default=None)
-    ap.add_argument("--json", type=Path, default=None, help="also write the raw figures here")
-    args = ap.parse_args()
-    own_work = args.work is None
-    work = args.work or Path(tempfile.mkdtemp(prefix="ckptlib-bench-", dir=args.checkpoints[0].parent))
+    args = parser(__doc__.split("\n\n")[0]).parse_args()
+    with work_folder(args, "ckptlib-bench-") as work:
+        return measure(args, work)
+
+
+def measure(args, work: Path) -> int:
     print(f"page cache dropped before each run: {drop_caches()}; each command's import baseline is run before it, "
           "after a drop too", flush=True)
-    print(f"import baselines: {BASELINES}", flush=True)
+    print(f"import baselines: export: {IMPORTS['export']}; check and diff: {IMPORTS['analysis']}", flush=True)
     rows, raw = [], {}
-    for ckpt in args.checkpoints:
+    for checkpoint in args.checkpoints:
         res = {tool: [] for tool in TOOLS}
         bases = {tool: [] for tool in TOOLS}
-        out = work / f"{ckpt.name}-export"
+        out = work / f"{checkpoint.name}-export"
         for r in range(args.rounds):
             shutil.rmtree(out, ignore_errors=True)
             for tool in TOOLS:
                 drop_caches()
-                bases[tool].append(run([PY, "-c", BASELINES["export" if tool == "export" else "checkdiff"]]))
+                bases[tool].append(baseline("export" if tool == "export" else "analysis", sleep=0))
                 drop_caches()
-                st = run(command(tool, ckpt, out))
-                if st.returncode != 0:
-                    print(st.stdout[-2000:], st.stderr[-2000:], file=sys.stderr)
-                    raise SystemExit(f"{tool} exited {st.returncode} on {ckpt}")
+                st = check_ok(run(command(tool, checkpoint, out)), f"{tool} on {checkpoint}")
                 res[tool].append(st)
-                print(f"  {ckpt.name} round {r + 1} {tool}: {st.wall:.2f} s, anon {st.peak_anon / MIB:.0f} MiB, "
+                print(f"  {checkpoint.name} round {r + 1} {tool}: {st.wall:.2f} s, anon {st.peak_anon / MIB:.0f} MiB, "
                       f"file {st.peak_file / MIB:.0f} MiB, read {st.read_bytes / MIB:.0f} MiB (import baseline "
                       f"{bases[tool][-1].wall:.2f} s, {bases[tool][-1].peak_anon / MIB:.0f} MiB)", flush=True)
             last = {t: res[t][-1].stdout.strip().splitlines()[-1] for t in ("check", "check-states", "diff")}
         shutil.rmtree(out, ignore_errors=True)
         med = medians(res, ("wall", "peak_anon", "peak_file", "read_bytes"))
         base = medians(bases, ("wall", "peak_anon", "read_bytes"))
-        raw[ckpt.name] = {"median": med, "baseline_median": base, "last_lines": last}
-        rows.append((ckpt.name, med, base, last))
+        raw[checkpoint.name] = {"median": med, "baseline_median": base, "last_lines": last}
+        rows.append((checkpoint.name, med, base, last))
     print()
     print("| checkpoint | command | wall time (median) | peak RssAnon | over its import baseline | peak RssFile "
           "| read from storage | read rate | read rate after start-up |")
@@ -102,10 +90,7 @@ def main() -> int:
               f"{base['check']['read_bytes'] / MIB:.0f} MiB read for check and diff")
         for tool, line in last.items():
             print(f"- {name}, `{LABELS[tool]}`: {line}")
-    if args.json:
-        args.json.write_text(json.dumps(raw, indent=2))
-    if own_work:
-        shutil.rmtree(work, ignore_errors=True)
+    write_json(args, raw)
     return 0
 
 

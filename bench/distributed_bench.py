@@ -16,20 +16,17 @@ single-process one (every file, and the file list).
 """
 from __future__ import annotations
 
-import argparse
 import filecmp
 import os
 import re
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import MIB, PY, baseline, ds_to_universal, parser, work_folder  # noqa: E402
 from procmon import drop_caches, medians, run  # noqa: E402
 
-PY = sys.executable
-MIB = 2**20
 TORCHRUN = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
 
@@ -40,28 +37,23 @@ def same_tree(a: Path, b: Path) -> bool:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("checkpoint", type=Path)
+    ap = parser(__doc__.split("\n\n")[0], checkpoints=None)
     ap.add_argument("--world-size", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--no-anchor", action="store_true", help="leave out ds_to_universal")
     args = ap.parse_args()
-    ckpt, m = args.checkpoint.resolve(), args.world_size
-    own_work = args.work is None
-    work = args.work or Path(tempfile.mkdtemp(prefix="ckptlib-dbench-"))
-    work.mkdir(parents=True, exist_ok=True)
+    with work_folder(args, "ckptlib-dbench-") as work:
+        return measure(args, work)
+
+
+def measure(args, work: Path) -> int:
+    ckpt, m = args.checkpoints.resolve(), args.world_size
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    idle = work / "idle.py"
-    idle.write_text("import ckptlib.cli, ckptlib.reshard, ckptlib.execute.distributed, torch.distributed, tqdm\n"
-                    "import time; time.sleep(0.5)\n")
-    base = run([PY, "-c", "import ckptlib.cli, ckptlib.reshard, tqdm; import time; time.sleep(0.5)"], env=env).peak_anon
-    base_dist = run(TORCHRUN + [str(idle)], env=env, tree=True).peak_anon
-    base_ds = run([PY, "-c", "import torch, deepspeed, deepspeed.checkpoint.ds_to_universal; import time; "
-                   "time.sleep(0.5)"], env=env).peak_anon
+    base = baseline("reshard", env=env).peak_anon
+    base_dist = baseline("ckptlib.cli, ckptlib.reshard, ckptlib.execute.distributed, torch.distributed, tqdm", env=env,
+                         tree=True, launcher=TORCHRUN).peak_anon
+    base_ds = baseline("ds_to_universal", env=env).peak_anon
     print(f"import baselines (RssAnon of the tree): ckptlib {base / MIB:.0f} MiB, torchrun x2 ckptlib "
           f"{base_dist / MIB:.0f} MiB, DeepSpeed {base_ds / MIB:.0f} MiB")
-    tag = (ckpt / "latest").read_text().strip()
     import ckptlib
 
     with ckptlib.open_checkpoint(ckpt) as ck:
@@ -84,8 +76,7 @@ def main() -> int:
             out.mkdir()
             drop_caches()
             if spec is None:
-                cmd = [PY, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(ckpt / tag),
-                       "--output_folder", str(out / f"{tag}_universal")]
+                cmd = ds_to_universal(ckpt, out)
             else:
                 head, extra, _ = spec
                 cmd = head + [str(out / "resharded"), "--world-size", str(m), *extra]
@@ -120,8 +111,6 @@ def main() -> int:
         run_s = "" if spec_is_anchor(tools[tool]) else f"{v['run']:.1f} s"
         print(f"| {tool} | {v['wall']:.1f} s | {vs_ds} | {vs_one} | {run_s} | {v['peak_anon'] / MIB:.0f} MiB | "
               f"{(v['peak_anon'] - b) / MIB:.0f} MiB | {same} |")
-    if own_work:
-        shutil.rmtree(work, ignore_errors=True)
     return 0 if all(checked.values()) else 1
 
 

@@ -14,29 +14,20 @@ same rounds, right after the current one, to measure a change: its rows are mark
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import MIB, baseline, before_env, check_ok, ckpt, parser, work_folder, write_json, zero_to_fp32  # noqa: E402
 from procmon import drop_caches, medians, run  # noqa: E402
 
-PY = sys.executable
 #: the anchor, ckptlib's default run (same output, on disk before it appears), the same without waiting for
 #: the disk (as the anchor: its output is left to the kernel), and two variants that take the buffered path
 TOOLS = {"ds": None, "ck": [], "ck-nosync": ["--no-sync"], "ck-torch": ["--format", "torch"],
          "ck-bf16": ["--dtype", "bf16"]}
 LABELS = {"ck": "ckpt export", "ck-nosync": "ckpt export --no-sync", "ck-torch": "ckpt export --format torch",
           "ck-bf16": "ckpt export --dtype bf16"}
-MIB = 2**20
-
-
-def baseline(imports: str) -> int:
-    return run([PY, "-c", f"import {imports}; import time; time.sleep(0.5)"]).peak_anon
 
 
 def compare(a: Path, b: Path) -> str:
@@ -51,59 +42,49 @@ def compare(a: Path, b: Path) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("checkpoints", nargs="+", type=Path)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--work", type=Path, default=None)
-    ap.add_argument("--json", type=Path, default=None, help="also write the raw figures here")
-    ap.add_argument("--before", type=Path, default=None, help="also run ckptlib from this source tree")
-    args = ap.parse_args()
+    args = parser(__doc__.split("\n\n")[0]).parse_args()
+    with work_folder(args, "ckptlib-bench-") as work:
+        return measure(args, work)
+
+
+def measure(args, work: Path) -> int:
     tools = dict(TOOLS)
     if args.before:
         for t in [t for t in TOOLS if t != "ds"]:
             tools[f"{t}@before"] = TOOLS[t]
             LABELS[f"{t}@before"] = LABELS[t] + " (before)"
-    before_env = dict(os.environ, PYTHONPATH=str(args.before.resolve())) if args.before else None
-    own_work = args.work is None  # a temporary folder of ours: removed at the end (outputs are GBs)
-    work = args.work or Path(tempfile.mkdtemp(prefix="ckptlib-bench-"))
-    base_ck = baseline("ckptlib.cli, ckptlib.export, ckptlib.execute, tqdm")
-    base_ds = baseline("torch, deepspeed, safetensors, huggingface_hub")
+    base_ck = baseline("export").peak_anon
+    base_ds = baseline("zero_to_fp32").peak_anon
     dropped = drop_caches()
     print(f"import baselines (RssAnon): ckptlib {base_ck / MIB:.0f} MiB, DeepSpeed {base_ds / MIB:.0f} MiB; "
           f"page cache dropped before each run: {dropped}")
     rows, raw = [], {}
-    for ckpt in args.checkpoints:
+    for checkpoint in args.checkpoints:
         res = {tool: [] for tool in tools}
         for r in range(args.rounds):
             for tool, extra in tools.items():
-                out = work / f"{ckpt.name}-{tool}"
+                out = work / f"{checkpoint.name}-{tool}"
                 shutil.rmtree(out, ignore_errors=True)
                 drop_caches()
-                if tool == "ds":
-                    cmd = [PY, str(ckpt / "zero_to_fp32.py"), str(ckpt), str(out), "--safe_serialization"]
-                else:
-                    # -P: the working folder (the repo root) is not put first on sys.path, so the
-                    # PYTHONPATH of "(before)" rows decides which ckptlib runs
-                    cmd = [PY, "-P", "-m", "ckptlib", "export", str(ckpt), str(out), "-q", *extra]
-                st = run(cmd, env=before_env if tool.endswith("@before") else None)
-                if st.returncode != 0:
-                    print(st.stderr[-2000:], file=sys.stderr)
-                    raise SystemExit(f"{tool} failed on {ckpt}")
+                cmd = zero_to_fp32(checkpoint, out) if tool == "ds" else ckpt("export", checkpoint, out, "-q", *extra)
+                st = check_ok(run(cmd, env=before_env(args) if tool.endswith("@before") else None),
+                              f"{tool} on {checkpoint}")
                 res[tool].append(st)
-                print(f"  {ckpt.name} round {r + 1} {tool}: {st.wall:.2f} s, anon {st.peak_anon / MIB:.0f} MiB, "
+                print(f"  {checkpoint.name} round {r + 1} {tool}: {st.wall:.2f} s, anon {st.peak_anon / MIB:.0f} MiB, "
                       f"file {st.peak_file / MIB:.0f} MiB, read {st.read_bytes / MIB:.0f} MiB", flush=True)
-        verdict = compare(work / f"{ckpt.name}-ds" / "model.safetensors", work / f"{ckpt.name}-ck" / "model.safetensors")
-        verdict += "; --no-sync: " + compare(work / f"{ckpt.name}-ds" / "model.safetensors",
-                                             work / f"{ckpt.name}-ck-nosync" / "model.safetensors")
+        name = checkpoint.name
+        verdict = compare(work / f"{name}-ds" / "model.safetensors", work / f"{name}-ck" / "model.safetensors")
+        verdict += "; --no-sync: " + compare(work / f"{name}-ds" / "model.safetensors",
+                                             work / f"{name}-ck-nosync" / "model.safetensors")
         import safetensors.torch
         import torch
-        half = safetensors.torch.load_file(work / f"{ckpt.name}-ck-bf16" / "model.safetensors")
-        full = safetensors.torch.load_file(work / f"{ckpt.name}-ck" / "model.safetensors")
+        half = safetensors.torch.load_file(work / f"{name}-ck-bf16" / "model.safetensors")
+        full = safetensors.torch.load_file(work / f"{name}-ck" / "model.safetensors")
         verdict += "; bf16 output == fp32 output cast by torch: " + str(
             all(torch.equal(half[k], full[k].to(torch.bfloat16)) for k in full))
         med = medians(res, ("wall", "peak_anon", "peak_file", "read_bytes"))
-        raw[ckpt.name] = {"median": med, "baseline_anon": {"ck": base_ck, "ds": base_ds}, "outputs": verdict}
-        rows.append((ckpt.name, med, verdict))
+        raw[name] = {"median": med, "baseline_anon": {"ck": base_ck, "ds": base_ds}, "outputs": verdict}
+        rows.append((name, med, verdict))
     print()
     print("| checkpoint | tool | wall time (median) | peak RssAnon | over import baseline | peak RssFile "
           "| read from storage |")
@@ -124,10 +105,7 @@ def main() -> int:
             print(f"| {name} | {label} | {cell('wall', lambda v: f'{v:.2f} s')} | {cell('peak_anon', mib)} | "
                   f"{cell('peak_anon', mib, True)} | {cell('peak_file', mib)} | {cell('read_bytes', mib)} |")
         print(f"| {name} | outputs of DeepSpeed and ckpt export | {verdict} | | | | |")
-    if args.json:
-        args.json.write_text(json.dumps(raw, indent=2))
-    if own_work:
-        shutil.rmtree(work, ignore_errors=True)
+    write_json(args, raw)
     return 0
 
 

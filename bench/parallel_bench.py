@@ -11,63 +11,51 @@ baseline. ckptlib's export is checked against ds_to_universal's fp32 files for a
 """
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import MIB, baseline, check_ok, ckpt, ds_to_universal, parser, tag_of, work_folder  # noqa: E402
 from procmon import drop_caches, medians, run  # noqa: E402
-
-PY = sys.executable
-MIB = 2**20
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("checkpoints", nargs="+", type=Path)
-    ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--work", type=Path, default=None)
-    args = ap.parse_args()
-    own_work = args.work is None  # a temporary folder of ours: removed at the end (outputs are GBs)
-    work = args.work or Path(tempfile.mkdtemp(prefix="ckptlib-pbench-"))
-    work.mkdir(parents=True, exist_ok=True)
-    base_ck = run([PY, "-c", "import ckptlib.cli, ckptlib.export, ckptlib.execute, tqdm; import time; "
-                   "time.sleep(0.5)"]).peak_anon
-    base_ds = run([PY, "-c", "import torch, deepspeed, deepspeed.checkpoint.ds_to_universal; import time; "
-                   "time.sleep(0.5)"]).peak_anon
+    args = parser(__doc__.split("\n\n")[0], rounds=1).parse_args()
+    with work_folder(args, "ckptlib-pbench-") as work:
+        return measure(args, work)
+
+
+def measure(args, work: Path) -> int:
+    base_ck = baseline("export").peak_anon
+    base_ds = baseline("ds_to_universal").peak_anon
     print(f"import baselines (RssAnon): ckptlib {base_ck / MIB:.0f} MiB, DeepSpeed {base_ds / MIB:.0f} MiB; page "
           f"cache dropped before each run: {drop_caches()}")
     rows = []
-    for ckpt in args.checkpoints:
-        tag = (ckpt / "latest").read_text().strip()
+    for checkpoint in args.checkpoints:
+        tag = tag_of(checkpoint)
         tools = {"ds_to_universal": "ds", "ckpt export": "export", "ckpt reshard --universal": "universal"}
         res = {t: [] for t in tools}
         for r in range(args.rounds):
             for tool, kind in tools.items():
-                out = work / f"{ckpt.name}-{kind}"
+                out = work / f"{checkpoint.name}-{kind}"
                 shutil.rmtree(out, ignore_errors=True)
                 out.mkdir()
                 drop_caches()
                 if kind == "ds":
-                    cmd = [PY, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(ckpt / tag),
-                           "--output_folder", str(out / f"{tag}_universal")]
+                    cmd = ds_to_universal(checkpoint, out)
                 elif kind == "export":
-                    cmd = [PY, "-m", "ckptlib", "export", str(ckpt), str(out / "x"), "-q"]
+                    cmd = ckpt("export", checkpoint, out / "x", "-q")
                 else:
-                    cmd = [PY, "-m", "ckptlib", "reshard", str(ckpt), str(out / "x"), "--universal", "-q"]
+                    cmd = ckpt("reshard", checkpoint, out / "x", "--universal", "-q")
                 st = run(cmd, env=dict(os.environ, DS_ACCELERATOR="cpu"), tree=True, watch_dir=str(out),
                          interval=0.01)
-                if st.returncode != 0:
-                    print(st.stderr[-3000:], file=sys.stderr)
-                    raise SystemExit(f"{tool} failed on {ckpt}")
-                res[tool].append(st)
-                print(f"  {ckpt.name} round {r + 1} {tool}: {st.wall:.1f} s, anon {st.peak_anon / MIB:.0f} MiB, "
+                res[tool].append(check_ok(st, f"{tool} on {checkpoint}"))
+                print(f"  {checkpoint.name} round {r + 1} {tool}: {st.wall:.1f} s, anon {st.peak_anon / MIB:.0f} MiB, "
                       f"disk peak {st.peak_disk / MIB:.0f} MiB final {st.final_disk / MIB:.0f} MiB", flush=True)
-        verdict = _same(work / f"{ckpt.name}-ds" / f"{tag}_universal", work / f"{ckpt.name}-export" / "x")
-        rows.append((ckpt.name, medians(res, ("wall", "peak_anon", "peak_disk", "final_disk")), verdict))
+        verdict = _same(work / f"{checkpoint.name}-ds" / f"{tag}_universal", work / f"{checkpoint.name}-export" / "x")
+        rows.append((checkpoint.name, medians(res, ("wall", "peak_anon", "peak_disk", "final_disk")), verdict))
     print()
     print("| checkpoint | tool | wall time | peak RssAnon (process tree) | over import baseline | temporary disk |")
     print("|---|---|---|---|---|---|")
@@ -81,8 +69,6 @@ def main() -> int:
                   f"{(m['peak_anon'] - b) / MIB:.0f} MiB{ratio(m['peak_anon'] - b, ds['peak_anon'] - base_ds)} | "
                   f"{(m['peak_disk'] - m['final_disk']) / MIB:.0f} MiB |")
         print(f"| {name} | ckpt export vs ds_to_universal fp32 | {verdict} | | | |")
-    if own_work:
-        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 

@@ -11,38 +11,28 @@ ckptlib from another source tree in the same rounds (rows marked "(before)"), to
 """
 from __future__ import annotations
 
-import argparse
-import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import MIB, baseline, before_env, check_ok, ckpt, ds_to_universal, parser, work_folder  # noqa: E402
 from procmon import drop_caches, medians, run  # noqa: E402
-
-PY = sys.executable
-MIB = 2**20
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("checkpoints", nargs="+", type=Path)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--work", type=Path, default=None)
-    ap.add_argument("--before", type=Path, default=None, help="also run ckptlib from this source tree")
-    args = ap.parse_args()
-    before_env = dict(os.environ, PYTHONPATH=str(args.before.resolve())) if args.before else None
-    own_work = args.work is None  # a temporary folder of ours: removed at the end (outputs are GBs)
-    work = args.work or Path(tempfile.mkdtemp(prefix="ckptlib-rbench-"))
-    work.mkdir(parents=True, exist_ok=True)
-    base = run([PY, "-c", "import ckptlib.cli, ckptlib.reshard, tqdm; import time; time.sleep(0.5)"]).peak_anon
-    base_ds = run([PY, "-c", "import torch, deepspeed, deepspeed.checkpoint.ds_to_universal; import time; "
-                   "time.sleep(0.5)"]).peak_anon
+    args = parser(__doc__.split("\n\n")[0], rounds=2).parse_args()
+    with work_folder(args, "ckptlib-rbench-") as work:
+        return measure(args, work)
+
+
+def measure(args, work: Path) -> int:
+    base = baseline("reshard").peak_anon
+    base_ds = baseline("ds_to_universal").peak_anon
     print(f"import baselines (RssAnon): ckptlib {base / MIB:.0f} MiB, DeepSpeed {base_ds / MIB:.0f} MiB")
     rows = []
-    for ckpt in args.checkpoints:
-        tag = (ckpt / "latest").read_text().strip()
+    for checkpoint in args.checkpoints:
         # tool: (target size, extra arguments); --no-sync leaves the output to the kernel, as ds_to_universal does
         tools = {"ds_to_universal": (None, []), "ckpt reshard 4->2": (2, []), "ckpt reshard 4->3": (3, []),
                  "ckpt reshard 4->2 --no-sync": (2, ["--no-sync"])}
@@ -51,26 +41,21 @@ def main() -> int:
         res = {t: [] for t in tools}
         for r in range(args.rounds):
             for k, (tool, (m, extra)) in enumerate(tools.items()):
-                out = work / f"{ckpt.name}-{k}"
+                out = work / f"{checkpoint.name}-{k}"
                 shutil.rmtree(out, ignore_errors=True)
                 out.mkdir()
                 drop_caches()
                 if m is None:
-                    cmd = [PY, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(ckpt / tag),
-                           "--output_folder", str(out / f"{tag}_universal")]
+                    cmd = ds_to_universal(checkpoint, out)
                 else:
-                    cmd = [PY, "-P", "-m", "ckptlib", "reshard", str(ckpt), str(out / "resharded"), "--world-size", str(m),
-                           "-q", *extra]
-                st = run(cmd, env=before_env if tool.endswith("(before)") else None, tree=True, watch_dir=str(out),
+                    cmd = ckpt("reshard", checkpoint, out / "resharded", "--world-size", m, "-q", *extra)
+                st = run(cmd, env=before_env(args) if tool.endswith("(before)") else None, tree=True, watch_dir=str(out),
                          interval=0.01)
-                if st.returncode != 0:
-                    print(st.stderr[-3000:], file=sys.stderr)
-                    raise SystemExit(f"{tool} failed on {ckpt}")
-                res[tool].append(st)
-                print(f"  {ckpt.name} round {r + 1} {tool}: {st.wall:.1f} s, anon {st.peak_anon / MIB:.0f} MiB, "
+                res[tool].append(check_ok(st, f"{tool} on {checkpoint}"))
+                print(f"  {checkpoint.name} round {r + 1} {tool}: {st.wall:.1f} s, anon {st.peak_anon / MIB:.0f} MiB, "
                       f"disk peak {st.peak_disk / MIB:.0f} MiB final {st.final_disk / MIB:.0f} MiB", flush=True)
         med = medians(res, ("wall", "peak_anon", "peak_disk", "final_disk"))
-        rows.append((ckpt.name, med, {t: _stated_bound(ckpt, m) for t, (m, _) in tools.items()}))
+        rows.append((checkpoint.name, med, {t: _stated_bound(checkpoint, m) for t, (m, _) in tools.items()}))
     print()
     print("| checkpoint | tool | wall time (median) | peak RssAnon (process tree) | over import baseline "
           "| stated bound | temporary disk | output on disk |")
@@ -88,18 +73,16 @@ def main() -> int:
                   f"{m['peak_anon'] / MIB:.0f} MiB{ratio(m['peak_anon'], ds['peak_anon'])} | "
                   f"{(m['peak_anon'] - b) / MIB:.0f} MiB | {bounds[tool]} | {tmp / MIB:.0f} MiB | "
                   f"{m['final_disk'] / MIB:.0f} MiB |")
-    if own_work:
-        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
-def _stated_bound(ckpt: Path, m) -> str:
+def _stated_bound(checkpoint: Path, m) -> str:
     """The plan's predicted peak (what ckptlib's docstrings promise), from metadata; none for DeepSpeed."""
     if m is None:
         return "none stated"
     from ckptlib.reshard import plan_reshard
 
-    return f"{plan_reshard(ckpt, Path(tempfile.gettempdir()) / 'unused', m).predicted_peak_bytes / MIB:.0f} MiB"
+    return f"{plan_reshard(checkpoint, Path(tempfile.gettempdir()) / 'unused', m).predicted_peak_bytes / MIB:.0f} MiB"
 
 
 if __name__ == "__main__":

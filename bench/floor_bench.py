@@ -1,0 +1,215 @@
+"""Every conversion beside the machine's copy floor and beside DeepSpeed's tool, in one run.
+
+    python bench/floor_bench.py .bench-work/z2_bf16_w4 .bench-work/z3_bf16_w4 --rounds 3
+    python bench/floor_bench.py CKPT --only export "reshard 4->2"      # some conversions only
+
+The floor of a conversion is a plain ``cp -r OUT COPY && sync`` of the very output it wrote: the time this
+machine takes to read those bytes and put them on disk. Everything runs with a warm page cache (its inputs
+read once just before, outstanding writes synced untimed), alternating: per round and checkpoint, DeepSpeed's
+tools once each, then every conversion followed by the copy of its output. A conversion is within the goal
+when its median is at most 1.5 times its floor's. ``check`` and ``diff`` write nothing: their rows give the
+read rate (bytes through read/pread/copy_file_range per second, after the import baseline's start-up)
+beside export's in the same run.
+
+To add a conversion (the DCP export, a mesh reshard), append one :class:`Conversion` to :data:`CONVERSIONS`:
+its label, the ckptlib arguments as a function of ``(checkpoint, out, info)`` (``info``: the checkpoint's
+``dp``/``tp``/``pp`` sizes), the key of DeepSpeed's tool in :data:`ANCHORS` (or None), and ``applies`` to
+run it only on checkpoints it fits; the table gets its row.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (PY, baseline, check_ok, ckpt, ds_to_universal, mib, parser, table,  # noqa: E402
+                    work_folder, write_json, zero_to_fp32)
+from procmon import run, warm_cache  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+GOAL = 1.5
+
+
+@dataclass
+class Conversion:
+    label: str
+    args: Callable          # (checkpoint, out, info) -> ckpt arguments
+    anchor: Optional[str]   # key of ANCHORS, or None
+    writes: bool = True     # False: a read-only command (check, diff): no copy floor, a read rate instead
+    applies: Callable = lambda info: True
+
+
+@dataclass
+class Anchor:
+    label: str
+    command: Callable       # (checkpoint, out, exported) -> command
+    ok_codes: tuple = (0,)
+
+
+ANCHORS = {
+    "zero_to_fp32": Anchor("zero_to_fp32.py --safe_serialization", lambda c, o, e: zero_to_fp32(c, o)),
+    "ds_to_universal": Anchor("ds_to_universal", lambda c, o, e: ds_to_universal(c, o)),
+    "ds-check": Anchor("get_fp32_state_dict_from_zero_checkpoint + torch statistics",
+                       lambda c, o, e: [PY, str(HERE / "ds_check_diff.py"), "check", str(c)]),
+    "ds-diff": Anchor("get_fp32_state_dict_from_zero_checkpoint + torch.equal with the export",
+                      lambda c, o, e: [PY, str(HERE / "ds_check_diff.py"), "diff", str(c), str(e)]),
+}
+
+#: the first conversion's output is what diff compares with (an fp32 safetensors export)
+CONVERSIONS = [
+    Conversion("export", lambda c, o, i: ["export", c, o], "zero_to_fp32"),
+    Conversion("export --format torch", lambda c, o, i: ["export", c, o, "--format", "torch"], "zero_to_fp32"),
+    Conversion("export --dtype bf16", lambda c, o, i: ["export", c, o, "--dtype", "bf16"], "zero_to_fp32"),
+    Conversion("reshard dp/2", lambda c, o, i: ["reshard", c, o, "--world-size", i["dp"] // 2], "ds_to_universal",
+               applies=lambda i: i["dp"] >= 2),
+    Conversion("reshard dp*3/4", lambda c, o, i: ["reshard", c, o, "--world-size", i["dp"] * 3 // 4], "ds_to_universal",
+               applies=lambda i: i["dp"] >= 4),
+    Conversion("reshard --universal", lambda c, o, i: ["reshard", c, o, "--universal"], "ds_to_universal"),
+    Conversion("check", lambda c, o, i: ["check", c], "ds-check", writes=False),
+    Conversion("check --states", lambda c, o, i: ["check", c, "--states"], None, writes=False),
+    Conversion("diff CKPT EXPORT", lambda c, o, i: ["diff", c, o.parent / "export"], "ds-diff", writes=False),
+]
+
+
+def info_of(checkpoint: Path) -> dict:
+    import ckptlib
+
+    with ckptlib.open_checkpoint(checkpoint) as ck:
+        mesh = ck.mesh
+        return {"dp": ck.dp_world_size, "tp": getattr(mesh, "tp", 1), "pp": getattr(mesh, "pp", 1)}
+
+
+def label(conv: Conversion, info: dict) -> str:
+    if conv.label == "reshard dp/2":
+        return f"reshard {info['dp']}->{info['dp'] // 2}"
+    if conv.label == "reshard dp*3/4":
+        return f"reshard {info['dp']}->{info['dp'] * 3 // 4}"
+    return conv.label
+
+
+def settle(*warm) -> None:
+    """Before a timed run: outstanding writes on disk, then ``warm`` read into the page cache."""
+    subprocess.run(["sync"], check=True)
+    warm_cache(*warm)
+
+
+def copy_floor(out: Path, copy: Path):
+    """``cp -r out copy && sync``, timed, with ``out`` in the page cache."""
+    shutil.rmtree(copy, ignore_errors=True)
+    settle(out)
+    return check_ok(run(["sh", "-c", 'cp -r "$1" "$2" && sync', "sh", str(out), str(copy)]), f"cp -r {out}")
+
+
+def _error_line(stderr: str) -> str:
+    """The exception line of a traceback (else the last line), shortened."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if re.match(r"^[\w.]+(Error|Exception)\b", line)]
+    return ((errors or lines or ["?"])[-1])[:100]
+
+
+def main() -> int:
+    ap = parser(__doc__.split("\n\n")[0])
+    ap.add_argument("--only", nargs="+", help="labels of the conversions to run (default: all)")
+    args = ap.parse_args()
+    convs = [c for c in CONVERSIONS if not args.only or c.label in args.only or c.label.split()[0] in args.only]
+    raw, lines = {}, []
+    with work_folder(args, "ckptlib-floor-") as work:
+        base = {k: [] for k in ("export", "analysis")}
+        for checkpoint in args.checkpoints:
+            info = info_of(checkpoint)
+            mine = [c for c in convs if c.applies(info)]
+            anchors = sorted({c.anchor for c in mine if c.anchor})
+            res = {c.label: [] for c in mine}
+            floors = {c.label: [] for c in mine if c.writes}
+            ds = {a: [] for a in anchors}
+            failed = {}
+            out_bytes = {}
+            source = checkpoint / (checkpoint / "latest").read_text().strip()
+            for r in range(args.rounds):
+                for k in base:
+                    settle()
+                    base[k].append(baseline(k, sleep=0))
+                for c in mine:  # ckptlib first: diff compares with this round's export
+                    out = work / f"{checkpoint.name}" / c.label.replace(" ", "_").replace("/", "_")
+                    if c.label == "export":
+                        out = work / checkpoint.name / "export"
+                    shutil.rmtree(out, ignore_errors=True)
+                    out.parent.mkdir(parents=True, exist_ok=True)
+                    settle(source)
+                    st = check_ok(run(ckpt(*c.args(checkpoint, out, info), "-q")), f"ckpt {c.label}", (0,))
+                    res[c.label].append(st)
+                    note = ""
+                    if c.writes:
+                        fl = copy_floor(out, work / "floor-copy")
+                        floors[c.label].append(fl)
+                        out_bytes[c.label] = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+                        note = f", floor {fl.wall:.2f} s ({st.wall / fl.wall:.2f}x)"
+                        shutil.rmtree(work / "floor-copy", ignore_errors=True)
+                        if c.label != "export":
+                            shutil.rmtree(out, ignore_errors=True)
+                    print(f"  {checkpoint.name} round {r + 1} ckpt {label(c, info)}: {st.wall:.2f} s{note}, "
+                          f"read {mib(st.rchar)}", flush=True)
+                exported = work / checkpoint.name / "export"
+                for a in anchors:
+                    out = work / checkpoint.name / f"ds-{a}"
+                    shutil.rmtree(out, ignore_errors=True)
+                    out.mkdir(parents=True)
+                    settle(source)
+                    st = run(ANCHORS[a].command(checkpoint, out, exported), tree=True)
+                    shutil.rmtree(out, ignore_errors=True)
+                    if st.returncode not in ANCHORS[a].ok_codes:  # DeepSpeed's tool fails on this checkpoint
+                        ds[a].append(None)
+                        failed[a] = _error_line(st.stderr)
+                        print(f"  {checkpoint.name} round {r + 1} {ANCHORS[a].label}: FAILED: {failed[a]}", flush=True)
+                        continue
+                    ds[a].append(st)
+                    print(f"  {checkpoint.name} round {r + 1} {ANCHORS[a].label}: {st.wall:.2f} s", flush=True)
+                shutil.rmtree(work / checkpoint.name / "export", ignore_errors=True)
+            med = lambda runs, key="wall": statistics.median(getattr(s, key) for s in runs)  # noqa: E731
+            export_rate = None
+            b_an = {k: (med(v), med(v, "rchar")) for k, v in base.items()}
+            rows = []
+            for c in mine:
+                wall = med(res[c.label])
+                vs_ds = ""
+                if c.anchor is None:
+                    anchor = "none"
+                elif c.anchor in failed:
+                    anchor = f"{ANCHORS[c.anchor].label}: fails ({failed[c.anchor]})"
+                else:
+                    anchor = f"{ANCHORS[c.anchor].label}: {med(ds[c.anchor]):.2f} s"
+                    vs_ds = f"{wall / med(ds[c.anchor]):.2f}x"
+                bw, br = b_an["export" if c.writes else "analysis"]
+                rate = (med(res[c.label], "rchar") - br) / max(wall - bw, 1e-3)
+                if c.label == "export":
+                    export_rate = rate
+                if c.writes:
+                    floor = med(floors[c.label])
+                    verdict = "yes" if wall <= GOAL * floor else "**no**"
+                    rows.append([checkpoint.name, label(c, info), f"{wall:.2f} s", mib(out_bytes[c.label]),
+                                 f"{floor:.2f} s", f"**{wall / floor:.2f}x**", verdict, anchor, vs_ds,
+                                 f"{rate / 2**20:.0f} MiB/s"])
+                else:
+                    vs = f" ({rate / export_rate:.2f}x export's)" if export_rate else ""
+                    rows.append([checkpoint.name, label(c, info), f"{wall:.2f} s", "", "", "", "", anchor, vs_ds,
+                                 f"{rate / 2**20:.0f} MiB/s{vs}"])
+            lines += rows
+            raw[checkpoint.name] = {"info": info, "rows": rows}
+    print()
+    print("import baselines (median): " + ", ".join(f"{k} {statistics.median(s.wall for s in v):.2f} s"
+                                                     for k, v in base.items()))
+    print(table(["checkpoint", "conversion", "ckpt (median)", "output", "copy floor: cp -r + sync (median)",
+                 "ckpt / floor", f"within {GOAL}x", "DeepSpeed's tool (median)", "ckpt / DeepSpeed",
+                 "read rate after start-up"], lines))
+    write_json(args, raw)
+    return 0 if all(r[6] != "**no**" for r in lines) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
