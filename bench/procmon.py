@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import statistics
 import subprocess
 import time
@@ -19,6 +20,7 @@ class RunStats:
     rchar: int          # bytes passed through read()/pread() calls
     stdout: str
     stderr: str
+    cpu: float = 0.0    # seconds of user + system time of the process and its waited-for children
 
 
 def _status(pid: int) -> dict:
@@ -82,6 +84,7 @@ def run(cmd: list[str], env: dict | None = None, interval: float = 0.005, tree: 
         watch_dir: str | None = None) -> RunStats:
     """Run ``cmd``; with ``tree`` memory is the sum over the process and its children at each sample;
     with ``watch_dir`` the peak size of that folder is recorded (``peak_disk``)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
     peak = {"RssAnon": 0, "RssFile": 0, "VmRSS": 0}
@@ -106,10 +109,12 @@ def run(cmd: list[str], env: dict | None = None, interval: float = 0.005, tree: 
             last_du = time.perf_counter()
         time.sleep(interval)
     out, err = proc.communicate()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     io = {k: sum(v.get(k, 0) for v in ios.values()) for k in io}
     stats = RunStats(wall=time.perf_counter() - t0, returncode=proc.returncode, peak_anon=peak["RssAnon"],
                      peak_file=peak["RssFile"], peak_rss=peak["VmRSS"], read_bytes=io["read_bytes"], rchar=io["rchar"],
-                     stdout=out, stderr=err)
+                     stdout=out, stderr=err, cpu=cpu)
     if watch_dir:
         stats.peak_disk = max(peak_disk, du(watch_dir))
         stats.final_disk = du(watch_dir)
