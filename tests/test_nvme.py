@@ -150,6 +150,12 @@ def test_damaged_swap_folders_are_refused(nvme, tmp_path):
         a, b = map(int, ids.split("_"))
         f.rename(f.with_name(f"{state + '-' if state else ''}{a + 1}_{b + 1}.tensor.swp"))
     cases["renamed"] = (dst, "rank00")
+    dst, swap = _copy(fx, tmp_path / "exchanged")  # the two sub-groups' partition files swap names
+    first, second = sorted((swap / "rank01").glob("[0-9]*"))
+    first.rename(swap / "rank01" / "tmp")
+    second.rename(first)
+    (swap / "rank01" / "tmp").rename(second)
+    cases["exchanged"] = (dst, first.name)
     dst, swap = _copy(fx, tmp_path / "gone")
     shutil.rmtree(swap)
     cases["gone"] = (dst, "offloaded_tensors")

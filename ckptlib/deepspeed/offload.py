@@ -132,7 +132,7 @@ def resolve(tag_dir: Path, layout: Zero3Layout, model: dict, empties: dict, stat
                         "are not known (saved with exclude_frozen_parameters?)")
         return out
     align = aio_alignment(ds_config)
-    offsets = set()
+    offsets: dict[int, int] = {}  # dp rank -> its offset
     for dp, subs in sorted(empties.items()):
         folder = tag_dir / SWAP_DIR / f"rank{dp:02d}"
         files = by_rank.get(dp, {})
@@ -152,7 +152,7 @@ def resolve(tag_dir: Path, layout: Zero3Layout, model: dict, empties: dict, stat
                    "which file belongs to which sub-group is ambiguous"))
             continue
         base = candidates.pop()
-        offsets.add(base)
+        offsets[dp] = base
         found, ok = {}, True
         for k, empty in sorted(subs.items()):
             a, b = base + order[slots[k][0].name], base + order[slots[k][-1].name]
@@ -177,11 +177,12 @@ def resolve(tag_dir: Path, layout: Zero3Layout, model: dict, empties: dict, stat
                                                 placeholder.requires_grad)
         if ok:
             out.tensors.update(found)
-    if len(offsets) > 1:
+    if len(set(offsets.values())) > 1:
+        seen = ", ".join(f"rank{dp:02d}: {o}" for dp, o in sorted(offsets.items()))
         problems.append(f"{tag_dir / SWAP_DIR}: the ranks' swap files disagree on DeepSpeed's parameter ids "
-                        f"(offsets {sorted(offsets)}): they do not come from one run")
+                        f"(the first parameter's id by {seen}): they do not come from one run")
         out.tensors.clear()
-    out.offset = offsets.pop() if len(offsets) == 1 else None
+    out.offset = next(iter(offsets.values())) if len(set(offsets.values())) == 1 else None
     return out
 
 
