@@ -158,7 +158,7 @@ class _Swapped:
 
     def __enter__(self):
         if self.swapper is not None:
-            self.swapper.swap_in_optimizer_state(parameter=self.flat)
+            self.swapper.swap_in_optimizer_state(parameter=self.flat, async_parameter=None)
         return self
 
     def __exit__(self, *exc):
