@@ -200,8 +200,9 @@ def loads(nvme, resharded, tmp_path_factory):
                 jobs.append({"name": f"{name}/re-w{m}/{offload}", "checkpoint_dir": str(resharded[(name, m)]),
                              "tag": None, "spec": name, "offload": offload, "verify": None})
         for name in ("nvme_one_fp32_adamw", "nvme_all_bf16_cpuadam"):
-            jobs.append({"name": f"{name}/nvme-load", "checkpoint_dir": str(nvme[name]["checkpoint_path"]),
-                         "tag": None, "spec": name, "offload": "nvme", "verify": None})
+            for offload in ("nvme", "cpu"):
+                jobs.append({"name": f"{name}/{offload}-load", "checkpoint_dir": str(nvme[name]["checkpoint_path"]),
+                             "tag": None, "spec": name, "offload": offload, "verify": None})
         results.update({(m, k): v for k, v in run_loads(jobs, m, work / f"w{m}").items()})
     return results
 
@@ -245,6 +246,17 @@ def test_deepspeeds_nvme_load_at_another_size_is_refused(nvme, loads):
         assert resume_check(nvme[name]["checkpoint_path"], cfg, 1).verdict == REFUSED
 
 
+def test_loading_the_placeholders_is_refused(nvme, loads):
+    """Without NVMe offload DeepSpeed reads the .pt files, whose swapped partitions are empty placeholders."""
+    for name in ("nvme_one_fp32_adamw", "nvme_all_bf16_cpuadam"):
+        res = loads[(2, f"{name}/cpu-load")]
+        cfg = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+               "bf16": {"enabled": nvme[name]["dtype"] == "bf16"}}
+        predicted = resume_check(nvme[name]["checkpoint_path"], cfg, 2)
+        assert predicted.verdict == REFUSED
+        assert "error" in res and res["phase"] == "load", res
+
+
 def test_resume_check_on_the_resharded(nvme, resharded):
     for name in SWAPPING:
         for m in (1, 2):
@@ -253,3 +265,18 @@ def test_resume_check_on_the_resharded(nvme, resharded):
                 assert resume_check(resharded[(name, m)], {"zero_optimization": zero,
                                                            "bf16": {"enabled": nvme[name]["dtype"] == "bf16"}},
                                     m).verdict == LOADS
+
+
+def test_deepspeeds_converter_on_them(nvme, tmp_path):
+    """zero_to_fp32 reads the empty placeholders of swapped sub-groups and fails (what docs/resume.md says);
+    with nothing swapped it works and agrees with ckptlib's export."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    for name in ("nvme_one_fp32_adamw", "nvme_all_bf16_cpuadam"):
+        with pytest.raises(Exception):
+            get_fp32_state_dict_from_zero_checkpoint(str(nvme[name]["checkpoint_path"]))
+    fx = nvme["nvme_none_fp32_adamw"]
+    theirs = get_fp32_state_dict_from_zero_checkpoint(str(fx["checkpoint_path"]))
+    ckptlib.export(ckptlib.plan_export(fx["checkpoint_path"], tmp_path / "out"))
+    ours = safetensors.torch.load_file(tmp_path / "out" / "model.safetensors")
+    assert all(torch.equal(ours[k], v.float()) for k, v in theirs.items())
