@@ -216,8 +216,7 @@ def file_size(obj: Any, path: str | os.PathLike, archive: Optional[str] = None, 
 
     Memory: the pickle.
     """
-    members, records, cd_offset = _layout(obj, _archive_name(path, archive), zip64_limit)
-    return cd_offset + len(central_directory(records, cd_offset, zip64_limit))
+    return archive_size(obj, _archive_name(path, archive), zip64_limit)
 
 
 def save(obj: Any, path: str | os.PathLike, archive: Optional[str] = None,
@@ -239,21 +238,41 @@ def save(obj: Any, path: str | os.PathLike, archive: Optional[str] = None,
     Memory: the pickle and the streaming buffers ``bufs`` (a :class:`~ckptlib.io.streaming.ChunkBuffers`,
     3 x 8 MiB made here if not given).
     """
-    members, records, cd_offset = _layout(obj, _archive_name(path, archive), zip64_limit)
-    own_files = files is None
-    files = files if files is not None else SourceFiles()
-    written = 0
     fd = os.open(os.fspath(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     behind = WriteBehind(fd, unsynced=unsynced)
     try:
+        written = write_archive(obj, fd, 0, _archive_name(path, archive), progress=progress, bufs=bufs,
+                                files=files, cancel=cancel, zip64_limit=zip64_limit, behind=behind)
+        behind.close()
+    finally:
+        os.close(fd)
+    return written
+
+
+def write_archive(obj: Any, fd: int, base: int, archive: str, progress: Callable[[int], None] = lambda n: None,
+                  bufs=None, files=None, cancel: Any = None, zip64_limit: int = ZIP64_LIMIT,
+                  behind: Optional[WriteBehind] = None) -> int:
+    """Write ``obj`` as a torch zip archive starting at byte ``base`` of the open file ``fd`` (as
+    :func:`save` does for a whole file; the archive's own offsets count from ``base``, as those of
+    ``torch.save`` into a stream that already holds bytes do). Takes
+    :func:`archive_size` bytes; returns the bytes of tensor data written.
+
+    Memory: the pickle and the streaming buffers.
+    """
+    members, records, cd_offset = _layout(obj, archive, zip64_limit)
+    own_files = files is None
+    files = files if files is not None else SourceFiles()
+    written = 0
+    try:
         for rec, (_, content) in zip(records, members):
+            at = base + rec.data_offset
             if isinstance(content, bytes):
-                pwrite_all(fd, content, rec.data_offset)
+                pwrite_all(fd, content, at)
                 rec.crc = zlib.crc32(content)
                 continue
             if isinstance(content, StorageAddress) and content.stored_crc is not None \
                     and content.stored_bytes == rec.size:
-                sink = PwriteSink(fd, rec.data_offset, behind=behind)
+                sink = PwriteSink(fd, at, behind=behind)
                 src_fd = files.fd(content.path)
                 for done in range(0, rec.size, COPY_BYTES):
                     n = min(COPY_BYTES, rec.size - done)
@@ -263,7 +282,7 @@ def save(obj: Any, path: str | os.PathLike, archive: Optional[str] = None,
                 files.drop_cache(content.path, content.data_offset, rec.size)
                 rec.crc = content.stored_crc
             else:
-                sink = PwriteSink(fd, rec.data_offset, crc=True, behind=behind)
+                sink = PwriteSink(fd, at, crc=True, behind=behind)
                 if isinstance(content, StorageAddress):
                     ranges = [StoredRange(content.path, content.data_offset, content.dtype, content.numel)]
                 else:
@@ -279,14 +298,20 @@ def save(obj: Any, path: str | os.PathLike, archive: Optional[str] = None,
                 rec.crc = sink.crc
             written += rec.size
         for rec in records:
-            pwrite_all(fd, local_header(rec), rec.header_offset)
-        pwrite_all(fd, central_directory(records, cd_offset, zip64_limit), cd_offset)
-        behind.close()
+            pwrite_all(fd, local_header(rec), base + rec.header_offset)
+        pwrite_all(fd, central_directory(records, cd_offset, zip64_limit), base + cd_offset)
     finally:
-        os.close(fd)
         if own_files:
             files.close()
     return written
 
 
-__all__ = ["save", "file_size", "NewTensor", "StoredTensor", "StorageAddress", "STORAGE_CLASS"]
+def archive_size(obj: Any, archive: str, zip64_limit: int = ZIP64_LIMIT) -> int:
+    """The size in bytes of the archive :func:`write_archive` writes for ``obj`` (nothing is read).
+
+    Memory: the pickle."""
+    members, records, cd_offset = _layout(obj, archive, zip64_limit)
+    return cd_offset + len(central_directory(records, cd_offset, zip64_limit))
+
+
+__all__ = ["save", "write_archive", "archive_size", "file_size", "NewTensor", "StoredTensor", "StorageAddress", "STORAGE_CLASS"]

@@ -1,0 +1,276 @@
+"""Reading a DCP folder without running anything from it, and without torch.
+
+:func:`read_metadata` unpickles ``.metadata`` with the restricted unpickler
+(:class:`~ckptlib.io.torchzip.unpickler.SafeUnpickler`) extended by inert stand-ins for the DCP metadata
+classes (``Metadata``, ``TensorStorageMetadata``, ``ChunkStorageMetadata``, ``TensorProperties``,
+``BytesStorageMetadata``, ``MetadataIndex``, ``StorageMeta``, ``_StorageInfo``); any other global stops
+it (:class:`~ckptlib.errors.UnsafeCheckpointError`). :func:`chunk_ranges` finds the stored bytes of one
+tensor chunk inside its ``torch.save`` archive (the zip directory at the archive's end, the local
+header, the pickle of one tensor), :func:`read_value` unpickles one value item the same safe way.
+
+Memory: the metadata pickle; per chunk, its archive's directory and pickle (a few hundred bytes).
+"""
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from pathlib import Path
+from typing import Any, Optional
+
+from ...errors import CkptError, IncompleteCheckpointError, UnsafeCheckpointError
+from ...layout.ranges import StoredRange
+from ..torchzip import zipfmt
+from ..torchzip.handles import StorageRef, TensorHandle
+from ..torchzip.standins import Standin, TorchSize, standin_class
+from ..torchzip.unpickler import SafeUnpickler
+from .layout import SUFFIX
+from .metadata import BytesEntry, Chunk, DcpMetadata, TensorEntry
+
+METADATA = ".metadata"
+_M = "torch.distributed.checkpoint.metadata"
+
+
+class _Properties(Standin):
+    qualname = f"{_M}.TensorProperties"
+
+    def __setstate__(self, state):
+        if isinstance(state, tuple) and state:  # (dtype, layout, requires_grad, memory format, pin_memory)
+            self.__dict__["dtype"] = state[0]
+        else:
+            super().__setstate__(state)
+
+
+def _layout(name):
+    return str(name)
+
+
+def _mem_format(value):
+    return int(value)
+
+
+_STANDINS = {(_M, n): standin_class(f"{_M}.{n}") for n in (
+    "Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata", "StorageMeta")}
+_STANDINS[(_M, "TensorProperties")] = _Properties
+_STANDINS[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = standin_class(
+    "torch.distributed.checkpoint.filesystem._StorageInfo")
+_STANDINS[("torch.serialization", "_get_layout")] = _layout
+_STANDINS[(_M, "_MEM_FORMAT_ENCODING")] = _mem_format
+_STANDINS[("pathlib", "PosixPath")] = str  # StorageMeta.checkpoint_id as torch pickles a Path
+_STANDINS[("pathlib", "WindowsPath")] = str
+
+
+class _Index(Standin):
+    """Stand-in for ``MetadataIndex`` (a dict key: hashed by key and offsets, as torch's)."""
+
+    qualname = f"{_M}.MetadataIndex"
+
+    def __hash__(self):
+        off = self.__dict__.get("offset")
+        return hash((self.__dict__.get("fqn"), None if off is None else tuple(off)))
+
+    def __eq__(self, other):
+        return isinstance(other, _Index) and hash(self) == hash(other) and \
+            self.__dict__.get("fqn") == other.__dict__.get("fqn")
+
+
+_STANDINS[(_M, "MetadataIndex")] = _Index
+
+
+class _MetadataUnpickler(SafeUnpickler):
+    def find_class(self, module: str, name: str):
+        found = _STANDINS.get((module, name))
+        return found if found is not None else super().find_class(module, name)
+
+
+def _refuse_storage(key, dtype, numel):
+    raise pickle.UnpicklingError("a DCP .metadata holds no tensor storages")
+
+
+def is_dcp_folder(path: os.PathLike) -> bool:
+    p = Path(path)
+    return p.is_dir() and (p / METADATA).is_file()
+
+
+def read_metadata(folder: os.PathLike) -> DcpMetadata:
+    """What the ``.metadata`` of the DCP folder ``folder`` says (see :class:`DcpMetadata`).
+
+    Raises:
+        UnsafeCheckpointError: the pickle names a global that is not a DCP metadata class.
+        IncompleteCheckpointError: the file is missing, damaged, or not a DCP metadata pickle.
+    """
+    path = Path(folder) / METADATA
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise IncompleteCheckpointError("no .metadata file: not a torch.distributed.checkpoint folder",
+                                        path=str(folder)) from None
+    try:
+        md = _MetadataUnpickler(io.BytesIO(data), _refuse_storage, str(path)).load()
+    except CkptError:
+        raise
+    except Exception as e:
+        raise IncompleteCheckpointError(f"the .metadata pickle is malformed ({type(e).__name__}: {e})",
+                                        path=str(path), hint="the save was interrupted or the file is damaged") from e
+    if type(md) is not _STANDINS[(_M, "Metadata")]:
+        raise IncompleteCheckpointError("the .metadata pickle is not a DCP Metadata object", path=str(path))
+    return _plain(md, str(path))
+
+
+def _plain(md, where: str) -> DcpMetadata:
+    storage = {}
+    for k, v in (getattr(md, "storage_data", None) or {}).items():
+        fqn, off = k.__dict__.get("fqn"), k.__dict__.get("offset")
+        storage[(fqn, None if off is None else tuple(off))] = v.__dict__
+    entries = []
+    for fqn, meta in (getattr(md, "state_dict_metadata", None) or {}).items():
+        if "chunks" in meta.__dict__:
+            props = meta.__dict__.get("properties")
+            dtype = getattr(getattr(props, "dtype", None), "name", None)
+            if dtype is None:
+                raise IncompleteCheckpointError(f"{fqn}: tensor without a dtype in .metadata", path=where)
+            chunks = []
+            for c in meta.chunks:
+                info = storage.get((fqn, tuple(c.offsets)))
+                if info is None:
+                    raise IncompleteCheckpointError(f"{fqn}: a chunk at {list(c.offsets)} has no storage entry",
+                                                    path=where)
+                if info.get("transform_descriptors"):
+                    raise CkptError(f"{fqn}: stored with stream transforms ({info['transform_descriptors']}), "
+                                    "which ckptlib does not read", path=where)
+                chunks.append(Chunk(tuple(c.offsets), tuple(c.sizes), info["relative_path"], int(info["offset"]),
+                                    int(info["length"])))
+            entries.append(TensorEntry(fqn, dtype, tuple(meta.size), chunks))
+        else:
+            info = storage.get((fqn, None))
+            if info is None:
+                raise IncompleteCheckpointError(f"{fqn}: a value without a storage entry", path=where)
+            entries.append(BytesEntry(fqn, info["relative_path"], int(info["offset"]), int(info["length"])))
+    sm = getattr(md, "storage_meta", None)
+    return DcpMetadata(entries=entries, planner_data=dict(getattr(md, "planner_data", None) or {}),
+                       checkpoint_id=getattr(sm, "checkpoint_id", None) if sm is not None else None,
+                       save_id=getattr(sm, "save_id", None) if sm is not None else None,
+                       version=getattr(md, "version", None))
+
+
+# ============================================================================================ items
+class _ItemFile:
+    """One item's archive inside a ``.distcp`` file, read with ``pread``."""
+
+    def __init__(self, path: str, offset: int, length: int):
+        self.path, self.offset, self.length = path, offset, length
+        try:
+            self.fd = os.open(path, os.O_RDONLY)
+        except OSError as e:
+            raise IncompleteCheckpointError(f"cannot open the file ({e.strerror})", path=path) from None
+
+    def pread(self, n: int, at: int) -> bytes:
+        return os.pread(self.fd, n, at)
+
+    def members(self) -> tuple[dict, dict]:
+        end = self.offset + self.length
+        if os.fstat(self.fd).st_size < end:
+            raise IncompleteCheckpointError(f"the file ends before the item at bytes {self.offset}-{end}",
+                                            path=self.path, hint="the save was interrupted; copy the folder again")
+        n = min(self.length, zipfmt.END_SEARCH_MAX)
+        found = zipfmt.find_directory(self.pread(n, end - n), end - n)
+        if found is None or found.shift != self.offset:
+            raise IncompleteCheckpointError(f"no torch.save archive at bytes {self.offset}-{end}", path=self.path)
+        members = zipfmt.parse_directory(self.pread(found.size, found.offset + found.shift), found)
+        offsets: dict = {}
+        for header, name in sorted((v[0], k) for k, v in members.items()):
+            zipfmt.data_offsets(self.pread(zipfmt.LOCAL_HEADER_SIZE + 512, header), header, [(header, name)], offsets)
+        return members, offsets
+
+    def close(self):
+        os.close(self.fd)
+
+
+def _load_item(path: str, offset: int, length: int) -> tuple[Any, "_ItemFile", dict, dict, str]:
+    f = _ItemFile(path, offset, length)
+    try:
+        members, offsets = f.members()
+        pkl = [n for n in members if n.endswith("/data.pkl")]
+        if len(pkl) != 1:
+            raise IncompleteCheckpointError(f"the item at byte {offset} is not a torch.save archive", path=path)
+        prefix = pkl[0][:-len("data.pkl")]
+        data = f.pread(members[pkl[0]][2], offsets[pkl[0]])
+        refs: dict = {}
+
+        def resolve(key: str, dtype: str, numel: int) -> StorageRef:
+            name = prefix + "data/" + key
+            if name not in members:
+                raise IncompleteCheckpointError(f"storage {key} missing from the item at byte {offset}", path=path)
+            ref = refs.get(key)
+            if ref is None:
+                ref = refs[key] = StorageRef(file=f, key=key, dtype_name=dtype, numel=numel,
+                                             data_offset=offsets[name], stored_bytes=members[name][2],
+                                             stored_crc=members[name][3])
+            return ref
+
+        obj = SafeUnpickler(io.BytesIO(data), resolve, path).load()
+        return obj, f, members, offsets, prefix
+    except (zipfmt.ZipFormatError, pickle.UnpicklingError, EOFError) as e:
+        f.close()
+        raise IncompleteCheckpointError(f"the item at byte {offset} is damaged ({e})", path=path) from None
+    except BaseException:
+        f.close()
+        raise
+
+
+def chunk_ranges(folder: os.PathLike, entry: TensorEntry, chunk: Chunk) -> list[StoredRange]:
+    """The stored ranges of ``chunk`` of ``entry`` (its elements in row-major order of the chunk).
+
+    Raises:
+        IncompleteCheckpointError: the archive is not there, damaged, or holds another tensor.
+    """
+    path = os.fspath(Path(folder) / chunk.file)
+    obj, f, *_ = _load_item(path, chunk.offset, chunk.length)
+    try:
+        if not isinstance(obj, TensorHandle):
+            raise IncompleteCheckpointError(f"{entry.fqn}: the item at byte {chunk.offset} is not a tensor", path=path)
+        if obj.dtype_name != entry.dtype or tuple(obj.shape) != tuple(chunk.sizes):
+            raise IncompleteCheckpointError(
+                f"{entry.fqn}: the stored chunk is {obj.dtype_name} {list(obj.shape)}, the .metadata says "
+                f"{entry.dtype} {list(chunk.sizes)}", path=path)
+        return obj.ranges()
+    finally:
+        f.close()
+
+
+def read_value(folder: os.PathLike, entry: BytesEntry) -> Any:
+    """The Python value of a value item, unpickled by the restricted unpickler (plain values and the
+    stand-ins it knows; anything else raises :class:`UnsafeCheckpointError`)."""
+    path = os.fspath(Path(folder) / entry.file)
+    obj, f, *_ = _load_item(path, entry.offset, entry.length)
+    f.close()
+    if isinstance(obj, TensorHandle):
+        raise UnsafeCheckpointError(f"{entry.fqn}: a value item holds a tensor", path=path)
+    return _unstand(obj)
+
+
+def _unstand(obj):
+    if isinstance(obj, TorchSize):
+        return tuple(obj)
+    if isinstance(obj, list):
+        return [_unstand(x) for x in obj]
+    if isinstance(obj, tuple):
+        return tuple(_unstand(x) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _unstand(v) for k, v in obj.items()}
+    return obj
+
+
+def distcp_files(folder: os.PathLike) -> list[Path]:
+    return sorted(p for p in Path(folder).iterdir() if p.name.endswith(SUFFIX))
+
+
+def value_or_none(folder: os.PathLike, md: DcpMetadata, fqn: str) -> Optional[Any]:
+    try:
+        e = md.entry(fqn)
+    except KeyError:
+        return None
+    return read_value(folder, e) if isinstance(e, BytesEntry) else None
+
+
+__all__ = ["METADATA", "is_dcp_folder", "read_metadata", "chunk_ranges", "read_value", "distcp_files", "value_or_none"]
