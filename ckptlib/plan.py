@@ -7,6 +7,7 @@ can tell whether the checkpoint changed since), its output folder and the files 
 - :class:`TreeFile` — a torch file written from an object tree whose tensors are plain specs
   (:mod:`ckptlib.io.torchzip.specs`; a reshard's rank files, a universal checkpoint's fragments);
 - :class:`CopyFile` — a file copied as it is;
+- :class:`DistcpFile`, :class:`BlobFile` — a DCP folder's ``.distcp`` files and its ``.metadata``;
 - :class:`TextFile` — small text written after everything else, in order (``latest``, index files).
 
 Every tensor's bytes are a range list (:mod:`ckptlib.layout.ranges`): file paths and byte offsets, read only
@@ -138,6 +139,43 @@ class CopyFile:
 
 
 @dataclass
+class DistcpFile:
+    """A DCP ``.distcp`` file: ``items`` (:class:`ckptlib.io.dcp.Item`: a key, a tensor spec or a plain value,
+    and its offset and length in the file), each written as a whole ``torch.save`` archive at its offset;
+    ``size``: the file's exact size."""
+
+    name: str
+    items: list
+    size: int
+    kind: str = "distcp"
+    rank: Optional[int] = None
+
+    @property
+    def write_bytes(self) -> int:
+        return sum(it.nbytes for it in self.items)
+
+    @property
+    def read_bytes(self) -> int:
+        return sum(it.value.read_bytes for it in self.items if it.is_tensor)
+
+
+@dataclass
+class BlobFile:
+    """A small binary file written as it is (a DCP ``.metadata`` pickle)."""
+
+    name: str
+    data: bytes = field(repr=False)
+    kind: str = "metadata"
+    read_bytes: int = 0
+    write_bytes: int = 0
+    rank: Optional[int] = None
+
+    @property
+    def size(self) -> int:
+        return len(self.data)
+
+
+@dataclass
 class TextFile:
     """Small text written once everything else is (in the order of the plan's ``finals``)."""
 
@@ -245,5 +283,6 @@ class Plan:
                 f"{str(self.out)!r})")
 
 
-__all__ = ["THREADS", "PROCESSES", "SourceRef", "RangeCheck", "PlannedTensor", "WeightsFile", "TreeFile", "CopyFile", "TextFile",
+__all__ = ["THREADS", "PROCESSES", "SourceRef", "RangeCheck", "PlannedTensor", "WeightsFile", "TreeFile", "CopyFile",
+           "DistcpFile", "BlobFile", "TextFile",
            "Plan"]

@@ -1,7 +1,8 @@
 """Writing the files of a plan into the (temporary) output folder, one unit at a time.
 
 A *unit* is the smallest piece of a plan that can be written on its own: one tensor of a safetensors
-file (its offset is known from the header), or one whole torch or copied file. Writers read the
+file (its offset is known from the header), one item of a DCP ``.distcp`` file (its offset is fixed by
+the plan), or one whole torch, copied or small binary file. Writers read the
 plan's source ranges through a :class:`~ckptlib.io.sources.SourceFiles` and stream them through the
 calling thread's buffers (:class:`WriteContext`).
 """
@@ -15,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from ..io.sinks import PwriteSink, UnsyncedBudget, WriteBehind
+from ..io.dcp import write_item
+from ..io.sinks import PwriteSink, UnsyncedBudget, WriteBehind, pwrite_all
 from ..io.sources import SourceFiles
 from ..io.stformat import SafetensorsLayout, TensorSpec
 from ..io.streaming import ChunkBuffers, copy_ranges
@@ -23,7 +25,7 @@ from ..io.torchzip.specs import NewTensor
 from ..io.torchzip.trees import walk_tensors
 from ..io.torchzip.writer import save as torch_save
 from ..layout.ranges import StoredRange
-from ..plan import CopyFile, Plan, TextFile, TreeFile, WeightsFile
+from ..plan import BlobFile, CopyFile, DistcpFile, Plan, TextFile, TreeFile, WeightsFile
 from ..progress import Observer, check_cancel
 from ..system.memory import system_memory
 
@@ -113,6 +115,9 @@ def prepare(plan: Plan, tmp: Path) -> None:
         (tmp / f.name).parent.mkdir(parents=True, exist_ok=True)
         if isinstance(f, WeightsFile) and f.format == "safetensors":
             safetensors_layout(f).create(tmp / f.name)
+        elif isinstance(f, DistcpFile):
+            with open(tmp / f.name, "wb") as fh:
+                fh.truncate(f.size)
 
 
 def units(plan: Plan, split: bool = False) -> list[Unit]:
@@ -122,6 +127,8 @@ def units(plan: Plan, split: bool = False) -> list[Unit]:
     for i, f in enumerate(plan.files):
         if split and isinstance(f, WeightsFile) and f.format == "safetensors":
             out += [Unit(i, k, t.nbytes) for k, t in enumerate(f.tensors)]
+        elif split and isinstance(f, DistcpFile):
+            out += [Unit(i, k, it.nbytes) for k, it in enumerate(f.items)]
         else:
             out.append(Unit(i, None, f.write_bytes))
     return out
@@ -156,6 +163,14 @@ def write_unit(plan: Plan, unit: Unit, tmp: Path, ctx: WriteContext) -> None:
     elif isinstance(f, TreeFile):
         torch_save(f.obj, path, progress=ctx.progress, bufs=ctx.bufs, files=ctx.files, cancel=ctx.cancel,
                    unsynced=ctx.unsynced)
+    elif isinstance(f, DistcpFile):
+        _write_distcp(f, [unit.tensor] if unit.tensor is not None else range(len(f.items)), path, ctx)
+    elif isinstance(f, BlobFile):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            pwrite_all(fd, f.data, 0)
+        finally:
+            os.close(fd)
     elif isinstance(f, CopyFile):
         shutil.copy2(f.source, path)
         ctx.files.count(f.write_bytes)
@@ -179,6 +194,19 @@ def _write_safetensors(f: WeightsFile, which, path: Path, ctx: WriteContext) -> 
         os.close(fd)
 
 
+def _write_distcp(f: DistcpFile, which, path: Path, ctx: WriteContext) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        behind = WriteBehind(fd, unsynced=ctx.unsynced)
+        for i in which:
+            it = f.items[i]
+            ctx.observer.on_tensor(it.fqn)
+            write_item(fd, it, progress=ctx.progress, bufs=ctx.bufs, files=ctx.files, cancel=ctx.cancel, behind=behind)
+        behind.close()
+    finally:
+        os.close(fd)
+
+
 def needs_cast_kernels(plan: Plan) -> bool:
     """Whether a run of ``plan`` casts (a tensor read from ranges of another dtype) or compares copies: then
     it needs numpy (:func:`ckptlib.io.streaming.load_cast_kernels`), which a run loads before it writes anything.
@@ -191,6 +219,8 @@ def needs_cast_kernels(plan: Plan) -> bool:
 
     for f in plan.files:
         if isinstance(f, WeightsFile) and any(casts(t.ranges, t.dtype) for t in f.tensors):
+            return True
+        if isinstance(f, DistcpFile) and any(it.is_tensor and casts(it.value.ranges, it.value.dtype) for it in f.items):
             return True
         if isinstance(f, TreeFile) and any(isinstance(t, NewTensor) and casts(t.ranges, t.dtype)
                                            for t in walk_tensors(f.obj, [])):

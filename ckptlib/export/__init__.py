@@ -10,7 +10,7 @@ from typing import Optional, Union
 
 from ..deepspeed import Checkpoint
 from ..execute import RunResult, run
-from ..plan import PlannedTensor, WeightsFile
+from ..plan import Plan, PlannedTensor, WeightsFile
 from ..progress import Observer
 from ..units import parse_size
 from .plan import ExportPlan, plan_export
@@ -34,7 +34,7 @@ def export(checkpoint: Union[Checkpoint, str, os.PathLike, ExportPlan], out: Uni
     ``chunk_bytes`` plus a small fixed allowance), whatever the size of the model or of its largest
     tensor. The source is only read; the output appears atomically. The result carries ``memory``.
     """
-    plan = checkpoint if isinstance(checkpoint, ExportPlan) else plan_export(checkpoint, out, **options)
+    plan = checkpoint if isinstance(checkpoint, Plan) else plan_export(checkpoint, out, **options)
     return run(plan, observer=observer, cancel=cancel)
 
 

@@ -23,7 +23,7 @@ from ..plan import PROCESSES, CopyFile, Plan, PlannedTensor, RangeCheck, TextFil
 from ..system.gcpause import gc_paused
 from ..units import human_bytes, parse_size
 
-FORMATS = ("safetensors", "torch")
+FORMATS = ("safetensors", "torch", "dcp")
 
 
 @dataclass(kw_only=True)
@@ -156,7 +156,7 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
                 max_shard_size: Union[int, str] = "5GB", exclude_frozen: bool = False,
                 states: Sequence[str] = (), workers: int = 1, overwrite: bool = False,
                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, tp_rules=None, hf_files: bool = True,
-                sync: bool = True) -> ExportPlan:
+                sync: bool = True, dcp: Optional[dict] = None) -> ExportPlan:
     """Plan the export of consolidated weights (and optionally optimizer states); reads no tensor data.
 
     Args:
@@ -178,6 +178,9 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
             set to ``dtype``, ``generation_config.json``, tokenizer files, chat templates, remote code named
             by ``auto_map``; :func:`ckptlib.deepspeed.hf.model_files`), so that ``from_pretrained(out)`` loads it as
             it is. The plan's notes say which were copied, or how to add a config when there is none.
+        dcp: with ``format="dcp"``: ``layout`` (``"torch"``, ``"torchtitan"``, ``"accelerate"``) and
+            ``optimizer`` (True: the optimizer state too; ``states`` naming any state does the same); see
+            :mod:`ckptlib.export.dcp`. The result is a :class:`~ckptlib.export.dcp.DcpPlan`.
         sync: put the output on disk before it appears under its name (default; see :class:`~ckptlib.plan.Plan`).
             False leaves the writing to the kernel after the run, as ``torch.save`` and DeepSpeed do:
             faster, still atomic against a killed or failing run, but not against a power cut.
@@ -190,6 +193,12 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
     ck = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, tag=tag, tp_rules=tp_rules)
     if format not in FORMATS:
         raise CkptError(f"unknown format {format!r}; choose one of {', '.join(FORMATS)}")
+    if format == "dcp":
+        return _plan_dcp(ck, out, dtype=dtype, max_shard_size=max_shard_size, states=states, workers=workers,
+                         overwrite=overwrite, chunk_bytes=chunk_bytes, sync=sync, exclude_frozen=exclude_frozen,
+                         **(dcp or {}))
+    if dcp:
+        raise CkptError("layout and optimizer options are for --format dcp")
     if dtype not in OUTPUT_DTYPES:
         raise CkptError(f"unknown dtype {dtype!r}; choose one of {', '.join(OUTPUT_DTYPES)}")
     if workers < 1:
@@ -248,6 +257,20 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
                       overwrite=overwrite, sync=sync,
                       notes=warnings + [n for n in ck.view.notes if ck.kind != "data_parallel"] + side_notes,
                       checks=checks)
+
+
+def _plan_dcp(ck: Checkpoint, out, *, dtype: str, max_shard_size, states: Sequence[str], layout: str = "torch",
+              optimizer: bool = False, **options):
+    from .dcp import plan_dcp  # the DCP planner, loaded only for DCP exports
+
+    try:
+        limit = parse_size(max_shard_size)
+    except ValueError as e:
+        raise CkptError(str(e), hint="write sizes like 5GB, 500MB or 2GiB") from None
+    if limit <= 0:
+        raise CkptError("max_shard_size must be positive")
+    return plan_dcp(ck, Path(out), layout=layout, optimizer=optimizer or bool(states), dtype=dtype,
+                    max_shard_size=limit, **options)
 
 
 def _side_files(ck: Checkpoint, out_dtype: str) -> tuple[list, list[str]]:

@@ -113,9 +113,17 @@ class _Emitter:
 
     def __init__(self):
         self.out = bytearray(b"\x80\x02")
+        self.memo: dict = {}
 
     def glob(self, module: str, name: str) -> None:
+        """A global, memoized (``BINPUT`` once, ``BINGET`` after), as ``pickle`` does."""
+        at = self.memo.get((module, name))
+        if at is not None:
+            self.out += (b"h" + bytes([at])) if at < 256 else (b"j" + struct.pack("<I", at))
+            return
+        at = self.memo[(module, name)] = len(self.memo)
         self.out += b"c" + f"{module}\n{name}\n".encode()
+        self.out += (b"q" + bytes([at])) if at < 256 else (b"r" + struct.pack("<I", at))
 
     def emit(self, obj: Any) -> None:  # noqa: C901 - one branch per kind of value
         o = self.out

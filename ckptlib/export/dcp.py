@@ -1,0 +1,435 @@
+"""Planning a DCP export: a DeepSpeed checkpoint as the torch.distributed.checkpoint folder(s) that FSDP2,
+torchtitan or Accelerate load, with the optimizer state, from metadata alone.
+
+What goes in (every layout ckptlib reads: ZeRO-0/1/2/3, BF16_Optimizer, pipeline, tensor, expert, 3D;
+names as the un-parallelised model has them):
+
+- the model: every parameter (tied aliases under each of their names, frozen ones too) and persistent
+  buffer, floating ones in ``dtype`` (fp32: the fp32 masters of trainable parameters, bit for bit);
+- with ``optimizer``: per trainable parameter ``exp_avg``, ``exp_avg_sq`` (fp32) and ``step`` (a 0-dim
+  float32 tensor, as FSDP2 saves it), none for frozen parameters and one set per tied parameter (under
+  its first name); DeepSpeed's parameter groups as groups, each with its hyper-parameters and the FQNs
+  of its parameters (``set_state_dict`` matches groups by membership; merged, the load fails). Groups of
+  pipeline stages or tensor ranks with the same index and hyper-parameters are one group.
+
+Layouts (the keys are those ``dcp.save`` writes for the client's state dict, flattened):
+
+- ``torch``: ``model.<fqn>``, ``optimizer.state.<fqn>.<key>``, ``optimizer.param_groups.<i>.<hp>`` with
+  ``params`` a list of FQNs: ``{"model": ..., "optimizer": ...}`` of ``get_state_dict`` / ``set_state_dict``;
+- ``torchtitan``: its ``CheckpointManager``'s keys: the model's at the top level,
+  ``optimizer.state.<fqn>.<key>`` and ``optimizer.param_groups.<fqn>.<hp>`` (its ``OptimizersContainer``
+  keeps hyper-parameters per parameter), ``lr_scheduler.last_epoch`` and ``train_state.step`` (DeepSpeed's
+  global step), ``train_state.ntokens_seen`` (not in a DeepSpeed checkpoint: 0, named in a note); the
+  data loader's state does not map (load with ``exclude_from_loading=["dataloader"]``);
+- ``accelerate``: what ``Accelerator.save_state`` writes for FSDP2 with sharded state dicts:
+  ``pytorch_model_fsdp_0/`` (``model.<fqn>``) and ``optimizer_0/`` (``optimizer.state...``,
+  ``optimizer.param_groups...``), plus the training files the Trainer or Accelerate keep beside the
+  checkpoint (scheduler, sampler, RNG states), copied byte for byte where they are.
+
+What does not map (the loss scaler, DeepSpeed's own scheduler state, ...) is named in the plan's notes.
+The plan is plain data; :func:`ckptlib.run` writes it through the same runner as every export.
+"""
+from __future__ import annotations
+
+import os
+import re
+import struct
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Optional, Sequence
+
+from ..deepspeed import Checkpoint, hf
+from ..deepspeed.records import NO_ZERO
+from ..dtypes import BY_SHORT, OUTPUT_DTYPES, is_floating
+from ..errors import CkptError, UnsupportedCheckpointError
+from ..io.dcp import SUFFIX, BytesEntry, Chunk, DcpMetadata, Item, TensorEntry, metadata_pickle, place
+from ..io.torchzip import TensorHandle
+from ..io.torchzip.specs import NewTensor
+from ..mesh import Rank
+from ..plan import PROCESSES, BlobFile, CopyFile, DistcpFile, Plan, RangeCheck
+from ..units import human_bytes
+
+LAYOUTS = ("torch", "torchtitan", "accelerate")
+ADAM_KEYS = ("lr", "betas", "eps", "weight_decay")
+STATE_KEYS = ("exp_avg", "exp_avg_sq")
+ACCELERATE_MODEL, ACCELERATE_OPTIMIZER = "pytorch_model_fsdp_0", "optimizer_0"
+#: training files Accelerate's save_state writes beside the FSDP folders, copied when found
+ACCELERATE_FILES = re.compile(r"^(scheduler|sampler|dl_state_dict|custom_checkpoint)(_\d+)?\.(bin|pkl)$|"
+                              r"^scaler\.pt$|^random_states_\d+\.pkl$")
+
+
+@dataclass
+class Value:
+    """One flattened entry of a DCP folder: its key, the nested path it came from, and a planned
+    tensor (``source``/``key``: what it holds in the checkpoint) or a plain Python ``value``."""
+
+    fqn: str
+    path: tuple
+    tensor: Optional[NewTensor] = None
+    value: Any = None
+    source: Optional[str] = None
+    key: Optional[str] = None
+
+
+@dataclass(kw_only=True)
+class DcpPlan(Plan):
+    """A DCP export (plain data; see :class:`ckptlib.plan.Plan`).
+
+    Attributes:
+        layout: ``"torch"``, ``"torchtitan"`` or ``"accelerate"``.
+        optimizer: whether the optimizer state is in it.
+        folders_written: the DCP folders (``""`` for ``out`` itself) and their :class:`DcpMetadata`.
+        values: per folder, the flattened entries in order (:class:`Value`).
+        step: the optimizer step written for every parameter.
+    """
+
+    action: ClassVar[str] = "export"
+    format: str = "dcp"
+    layout: str
+    dtype: str
+    optimizer: bool
+    max_shard_size: int
+    dcp: dict = field(default_factory=dict)       # folder -> DcpMetadata
+    values: dict = field(default_factory=dict)    # folder -> [Value]
+    step: Optional[int] = None
+    parallel: str = PROCESSES
+
+    @property
+    def tensors(self) -> list:
+        return [v for vs in self.values.values() for v in vs if v.tensor is not None]
+
+    @property
+    def largest_tensor_bytes(self) -> int:
+        return max((v.tensor.nbytes for v in self.tensors), default=0)
+
+    def to_dict(self) -> dict:
+        return {
+            "source": self.source.tag_dir, "out": str(self.out), "format": "dcp", "layout": self.layout,
+            "dtype": self.dtype, "optimizer": self.optimizer, "max_shard_size": self.max_shard_size,
+            "step": self.step, "workers": self.workers, "sync": self.sync,
+            "folders": {k or ".": {"tensors": len(md.tensors), "values": len(md.values)} for k, md in self.dcp.items()},
+            "files": [{"name": f.name, "bytes": f.size} for f in self.files],
+            "read_bytes": self.read_bytes, "write_bytes": self.write_bytes, "file_bytes": self.file_bytes,
+            "largest_tensor_bytes": self.largest_tensor_bytes, "predicted_peak_bytes": self.predicted_peak_bytes,
+            "notes": list(self.notes),
+        }
+
+    def describe(self) -> str:
+        src = self.source
+        what = "model and optimizer state" if self.optimizer else "model"
+        lines = [f"export {src.tag_dir}",
+                 f"    -> {self.out}  (DCP, {self.layout} layout, {what}, {self.dtype} weights)",
+                 f"ZeRO {src.zero_stage}, {src.dtype}, {src.dp_world_size} ranks; {len(self.tensors)} tensors"
+                 + (f", optimizer step {self.step}" if self.optimizer else ""),
+                 f"{self.reads_text()}; {self.writes_text()}",
+                 f"predicted peak memory: {human_bytes(self.predicted_peak_bytes)} per process "
+                 f"(largest tensor {human_bytes(self.largest_tensor_bytes)}; streamed in "
+                 f"{human_bytes(self.chunk_bytes)} chunks)"] + self.summary_lines()[2:]
+        width = max([len(f.name) for f in self.files] + [40])
+        for f in self.files:
+            count = f"{len(f.items)} items" if isinstance(f, DistcpFile) else f.kind
+            lines.append(f"  {f.name:<{width}} {human_bytes(f.size):>10}  {count}")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+# ============================================================================================ the content
+def _hp(v: Any, what: str) -> Any:
+    """A hyper-parameter as a plain value (a 0-dim tensor is read; betas as the tuple torch keeps)."""
+    if isinstance(v, TensorHandle):
+        if v.numel != 1:
+            raise UnsupportedCheckpointError(f"{what} is a tensor of {v.numel} elements")
+        return v.item()
+    if isinstance(v, list) and all(isinstance(x, (int, float)) for x in v):
+        return tuple(v)
+    if v is None or isinstance(v, (bool, int, float, str, tuple)):
+        return v
+    raise UnsupportedCheckpointError(f"{what} is a {type(v).__name__}, which DCP cannot carry as a plain value")
+
+
+def _base_groups(ck: Checkpoint, mp: int) -> list[dict]:
+    """The base optimizer's parameter groups of model-parallel rank ``mp``'s set, with ``params``."""
+    zs = ck.sets[mp]
+    if ck.flavor == NO_ZERO:
+        opt = zs.records.index.stage0_optimizer or {}
+        inner = opt.get("optimizer_state_dict", opt) if isinstance(opt, dict) else {}
+    else:
+        osd = ck.optimizer_state_dict(Rank(dp=0, pp=mp if ck.kind == "pipeline" else 0,
+                                           tp=mp if ck.kind == "tensor_parallel" else 0))
+        inner = osd.get("optimizer_state_dict") if "optimizer_state_dict" in osd else osd.get("base_optimizer_state")
+    groups = (inner or {}).get("param_groups") or []
+    return [dict(g) for g in groups]
+
+
+def _owner_set(ck: Checkpoint, name: str) -> int:
+    if ck.view is None:
+        return min(ck.sets)
+    src = ck.view.blocks[name][0].source
+    return src[0] if isinstance(src, tuple) else min(ck.sets)
+
+
+def _group_of(ck: Checkpoint, p, groups: list[dict]) -> int:
+    """The index (in ``groups``) of the base optimizer group that steps parameter ``p``."""
+    if ck.flavor == NO_ZERO:
+        g = ck.sets[_owner_set(ck, p.name)].records.index.stage0.get(p.name)
+        if g is None:
+            raise UnsupportedCheckpointError(f"{p.name}: not found in the optimizer's parameter groups")
+        return g[0]
+    found = [i for i, grp in enumerate(groups) if p.group in (grp.get("params") or [])]
+    if len(found) != 1:
+        raise UnsupportedCheckpointError(f"{p.name}: its flat group {p.group} is in {len(found)} parameter groups")
+    return found[0]
+
+
+def _optimizer_groups(ck: Checkpoint, trainable: list) -> tuple[list[dict], dict]:
+    """``(groups, group of each trainable parameter)``: DeepSpeed's groups with their hyper-parameters
+    (without ``params``); equal groups of several stages or tensor ranks are one."""
+    per_set = {mp: _base_groups(ck, mp) for mp in sorted(ck.sets)}
+    found = {}
+    for p in trainable:
+        mp = _owner_set(ck, p.name)
+        g = _group_of(ck, p, per_set[mp])
+        hps = {k: _hp(v, f"{p.name}: hyper-parameter {k!r}") for k, v in per_set[mp][g].items() if k != "params"}
+        missing = [k for k in ADAM_KEYS if k not in hps]
+        if missing:
+            raise UnsupportedCheckpointError(
+                f"the optimizer's parameter groups are not torch Adam/AdamW groups (no {', '.join(missing)}; "
+                f"they hold {', '.join(sorted(hps))}): ckptlib cannot say which torch optimizer continues them",
+                path=ck.location.tag_dir, hint="export the model only (without --optimizer)")
+        found[p.name] = ((g, repr(sorted(hps.items()))), hps)
+    idents = sorted({ident for ident, _ in found.values()})  # DeepSpeed's group order
+    out = [next(h for i, h in found.values() if i == ident) for ident in idents]
+    member = {name: idents.index(ident) for name, (ident, _) in found.items()}
+    return out, member
+
+
+def _steps(ck: Checkpoint) -> int:
+    """The optimizer step of every group and rank (they must agree), read from the files."""
+    from ..analysis.health import read_steps
+    from ..analysis.healthrules import step_items
+    from ..io.sources import SourceFiles
+
+    step = ck.optimizer.step if ck.optimizer else None
+    with SourceFiles() as files:
+        values = read_steps(step_items(ck), files)
+    found = set(values.values()) | ({float(step)} if step is not None else set())
+    if not found:
+        raise UnsupportedCheckpointError("the optimizer state holds no step", path=ck.location.tag_dir,
+                                         hint="export the model only (without --optimizer)")
+    if len(found) != 1:
+        raise UnsupportedCheckpointError(
+            f"the optimizer steps differ between ranks or groups ({', '.join(str(int(s)) for s in sorted(found))}): "
+            "FSDP2 keeps one per parameter, and ckptlib does not pick one", path=ck.location.tag_dir,
+            hint="`ckpt check` names the ranks and groups")
+    return int(found.pop())
+
+
+def _model_values(ck: Checkpoint, out_dtype: str, prefix: tuple) -> list[Value]:
+    params = {p.name: p for p in ck.parameters}
+    buffers = {b.name: b for b in ck.buffers}
+    out = []
+    for name in ck.state_dict_names():
+        if name in buffers:
+            b = buffers[name]
+            dt = out_dtype if is_floating(b.dtype) else b.dtype
+            shape = tuple(b.shape)
+        else:
+            owner = params[params[name].tied_to] if params[name].tied_to else params[name]
+            dt, shape, b = out_dtype, tuple(owner.shape), None
+        source = name if b is not None else (params[name].tied_to or name)
+        path = prefix + (name,)
+        out.append(Value(".".join(path), path, NewTensor(dt, shape, tuple(ck.sources(source))), source=source))
+    return out
+
+
+def _state_values(ck: Checkpoint, trainable: list, step: int, prefix: tuple) -> list[Value]:
+    out = []
+    raw = struct.pack("<f", float(step))
+    for p in trainable:
+        for key in STATE_KEYS:
+            path = prefix + ("state", p.name, key)
+            out.append(Value(".".join(map(str, path)), path,
+                             NewTensor("float32", tuple(p.shape), tuple(ck.sources(p.name, key))), source=p.name, key=key))
+        path = prefix + ("state", p.name, "step")
+        out.append(Value(".".join(map(str, path)), path, NewTensor("float32", (), data=raw), source=p.name, key="step"))
+    return out
+
+
+def _group_values(groups: list[dict], members: dict, per_parameter: bool, prefix: tuple) -> list[Value]:
+    out = []
+    if per_parameter:  # torchtitan: param_groups.<fqn>.<hp>
+        for name, g in members.items():
+            for k, v in groups[g].items():
+                out.append(Value(".".join(prefix + ("param_groups", name, k)), prefix + (f"param_groups.{name}.{k}",),
+                                 value=v))
+        return out
+    for i, hps in enumerate(groups):
+        for k, v in list(hps.items()) + [("params", [n for n, g in members.items() if g == i])]:
+            path = prefix + ("param_groups", i, k)
+            out.append(Value(".".join(map(str, path)), path, value=v))
+    return out
+
+
+def _titan(values: list[Value]) -> list[Value]:
+    """torchtitan's optimizer entries are flat keys under ``optimizer`` (its path has two parts)."""
+    for v in values:
+        if v.path[0] == "optimizer" and len(v.path) > 2:
+            v.path = ("optimizer", ".".join(map(str, v.path[1:])))
+    return values
+
+
+# ============================================================================================ files
+def _files(folder: str, values: list[Value], limit: int, checkpoint_id: str) -> tuple[list, DcpMetadata]:
+    """The ``.distcp`` files (shards of at most ``limit`` tensor bytes, values in the first) and the
+    ``.metadata`` of one DCP folder."""
+    shards: list[list[Value]] = [[]]
+    size = 0
+    for v in [v for v in values if v.tensor is None] + [v for v in values if v.tensor is not None]:
+        n = v.tensor.nbytes if v.tensor is not None else 0
+        if shards[-1] and size + n > limit and any(x.tensor is not None for x in shards[-1]):
+            shards.append([])
+            size = 0
+        shards[-1].append(v)
+        size += n
+    files, entries = [], {}
+    for i, shard in enumerate(shards):
+        name = f"__{i}_0{SUFFIX}"
+        items = [Item(v.fqn, v.tensor if v.tensor is not None else v.value,
+                      chunk_offsets=(0,) * len(v.tensor.shape) if v.tensor is not None else ()) for v in shard]
+        end = place(items)
+        files.append(DistcpFile(os.path.join(folder, name) if folder else name, items, end, rank=i))
+        for v, it in zip(shard, items):
+            entries[v.fqn] = (TensorEntry(v.fqn, v.tensor.dtype, tuple(v.tensor.shape),
+                                          [Chunk(it.chunk_offsets, tuple(v.tensor.shape), name, it.offset, it.length)])
+                              if v.tensor is not None else BytesEntry(v.fqn, name, it.offset, it.length))
+    md = DcpMetadata(entries=[entries[v.fqn] for v in values], planner_data={v.fqn: v.path for v in values},
+                     checkpoint_id=checkpoint_id, save_id=str(uuid.uuid4()))
+    return files, md
+
+
+def _training_state(ck: Checkpoint) -> dict:
+    """What the model-states file says about the run beyond the tensors (metadata only)."""
+    obj = ck.model_states_file().obj
+    return {k: obj.get(k) for k in ("global_steps", "skipped_steps", "global_samples", "lr_scheduler",
+                                    "data_sampler", "random_ltd")} if isinstance(obj, dict) else {}
+
+
+def _unmapped_notes(ck: Checkpoint, layout: str, run: dict, optimizer: bool) -> list[str]:
+    notes = []
+    if optimizer:
+        osd = ck.main.records.index.optim
+        first = ck.optimizer_state_dict(next(iter(sorted(osd)))) if osd else {}
+        ds_only = [k for k in ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad") if k in (first or {})]
+        if ds_only:
+            notes.append(f"not carried over (DeepSpeed's own, no FSDP2 counterpart): {', '.join(ds_only)}")
+    if run.get("lr_scheduler") is not None:
+        notes.append("DeepSpeed's lr_scheduler state does not map to a torch scheduler: build the scheduler "
+                     "after loading" + (" (lr_scheduler.last_epoch is set to the global step)" if layout == "torchtitan"
+                                        else ""))
+    if run.get("data_sampler") is not None:
+        notes.append("DeepSpeed's data sampler state is not carried over")
+    if layout == "torchtitan":
+        notes.append("torchtitan's train_state.ntokens_seen (a logging counter) is not in a DeepSpeed checkpoint: "
+                     "written as 0; the data loader's position does not map: load with "
+                     "exclude_from_loading=[\"dataloader\"]")
+    return notes
+
+
+def plan_dcp(ck: Checkpoint, out: Path, *, layout: str = "torch", optimizer: bool = False, dtype: str = "fp32",
+             max_shard_size: int = 5 * 10**9, exclude_frozen: bool = False, workers: int = 1,
+             overwrite: bool = False, chunk_bytes: int, sync: bool = True) -> DcpPlan:
+    """Plan a DCP export of the opened checkpoint ``ck`` into ``out`` (see the module docstring).
+
+    Memory: the plan (one small record per tensor) and the metadata pickle; reads the optimizer's
+    scalar steps only.
+
+    Raises:
+        UnsupportedCheckpointError: the optimizer state cannot be carried exactly (not torch Adam/AdamW
+            groups, no exp_avg/exp_avg_sq, steps that differ).
+    """
+    if layout not in LAYOUTS:
+        raise CkptError(f"unknown DCP layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+    if dtype not in OUTPUT_DTYPES:
+        raise CkptError(f"unknown dtype {dtype!r}; choose one of {', '.join(OUTPUT_DTYPES)}")
+    ck.check_readable()
+    out_dtype = BY_SHORT[dtype].name
+    notes = []
+    trainable = [p for p in ck.parameters if p.trainable and not p.tied_to]
+    if exclude_frozen:
+        raise CkptError("a DCP export holds the whole model (FSDP2 loads every parameter): drop --exclude-frozen")
+    model = _model_values(ck, out_dtype, ("model",) if layout != "torchtitan" else ())
+    step = None
+    opt: list[Value] = []
+    if optimizer:
+        keys = set(ck.optimizer.state_keys) if ck.optimizer else set()
+        if keys != set(STATE_KEYS):
+            raise UnsupportedCheckpointError(
+                f"the optimizer state holds {', '.join(sorted(keys)) or 'nothing'}, not Adam's exp_avg and exp_avg_sq",
+                path=ck.location.tag_dir, hint="export the model only (without --optimizer)")
+        step = _steps(ck)
+        groups, members = _optimizer_groups(ck, trainable)
+        opt = _state_values(ck, trainable, step, ("optimizer",))
+        opt += _group_values(groups, members, layout == "torchtitan", ("optimizer",))
+        if dtype != "fp32":
+            notes.append(f"the weights are {dtype} while the optimizer state is fp32: FSDP2's AdamW steps fp32 "
+                         "parameters; load this into a model in that dtype only to run it")
+    run = _training_state(ck)
+    notes += _unmapped_notes(ck, layout, run, optimizer)
+    folders: dict = {}
+    if layout == "torch":
+        folders[""] = model + opt
+    elif layout == "torchtitan":
+        extra = []
+        if optimizer:
+            gs = int(run.get("global_steps") or 0)
+            extra = [Value("lr_scheduler.last_epoch", ("lr_scheduler", "last_epoch"), value=gs),
+                     Value("train_state.step", ("train_state", "step"), value=gs),
+                     Value("train_state.ntokens_seen", ("train_state", "ntokens_seen"), value=0)]
+        folders[""] = model + _titan(opt) + extra
+    else:
+        folders[ACCELERATE_MODEL] = model
+        if optimizer:
+            folders[ACCELERATE_OPTIMIZER] = opt
+    files: list = []
+    dcp: dict = {}
+    out = Path(out).expanduser().resolve()
+    for folder, values in folders.items():
+        fs, md = _files(folder, values, max_shard_size, os.fspath(out / folder) if folder else os.fspath(out))
+        files += fs
+        files.append(BlobFile(os.path.join(folder, ".metadata") if folder else ".metadata", metadata_pickle(md)))
+        dcp[folder] = md
+    if layout == "accelerate":
+        files += _accelerate_files(ck, notes)
+    checks = [RangeCheck(what, tuple(a), tuple(b), a[0].dtype if a else "float32")
+              for vs in folders.values() for v in vs if v.tensor is not None and v.source is not None
+              and v.key != "step" for what, a, b in ck.replica_checks(v.source, v.key)]
+    return DcpPlan(source=ck.source_ref(), out=out, files=files, folders=[f for f in folders if f],
+                   layout=layout, dtype=dtype, optimizer=optimizer, max_shard_size=max_shard_size, dcp=dcp,
+                   values=folders, step=step, chunk_bytes=chunk_bytes, workers=workers, overwrite=overwrite,
+                   sync=sync, notes=notes + [n for n in ck.view.notes if ck.kind != "data_parallel"],
+                   checks=_unique_checks(checks))
+
+
+def _unique_checks(checks: list) -> list:
+    seen, out = set(), []
+    for c in checks:
+        if c.what not in seen:
+            seen.add(c.what)
+            out.append(c)
+    return out
+
+
+def _accelerate_files(ck: Checkpoint, notes: list) -> list:
+    """The training files Accelerate's ``save_state`` keeps beside the model (scheduler, sampler, scaler,
+    data loader and RNG states), copied byte for byte from the save dir (metadata only)."""
+    found = [f for f in hf.training_files(ck.location.save_dir, None).files if ACCELERATE_FILES.match(f.name)]
+    if found:
+        notes.append(f"copied for Accelerate's load_state: {', '.join(f.name for f in found)}")
+    else:
+        notes.append("no Accelerate training files (scheduler, sampler, RNG states) beside the checkpoint: "
+                     "load_state restores the model and optimizer; make the scheduler and sampler again")
+    return [CopyFile(f.name, f.source, f.bytes, kind="hf") for f in found]
+
+
+__all__ = ["DcpPlan", "plan_dcp", "LAYOUTS", "Value"]
