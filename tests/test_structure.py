@@ -162,7 +162,7 @@ LAYERS = [
     ("plan", ("ckptlib.plan",)),
     ("system", ("ckptlib.system",)),
     ("io", ("ckptlib.io",)),
-    ("formats", ("ckptlib.deepspeed",)),
+    ("formats", ("ckptlib.deepspeed", "ckptlib.dcp")),
     ("analysis", ("ckptlib.analysis",)),
     ("execute", ("ckptlib.execute",)),
     ("conversions", ("ckptlib.export", "ckptlib.reshard")),

@@ -10,6 +10,8 @@ one from any of:
   :meth:`Checkpoint.sources`;
 - an exported folder (``model.safetensors``, ``model-0000k-of-0000n.safetensors`` with its index,
   ``pytorch_model*.bin``), or one such file;
+- a torch.distributed.checkpoint (DCP) folder (FSDP2, torchtitan, Accelerate, ``ckpt export --format dcp``;
+  :mod:`ckptlib.dcp`): the model's tensors under their FQNs, the optimizer's per-parameter states;
 - a universal checkpoint (a folder holding ``latest_universal``, or its ``<tag>_universal`` folder):
   ``zero/<param>/fp32.pt``, buffers and tied aliases from the model-states file copied beside it (a
   pipeline's buffers from the layer files copied beside it).
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
+from ..dcp import is_dcp, open_dcp
 from ..deepspeed import Checkpoint, open_checkpoint
 from ..deepspeed.discovery import detect
 from ..deepspeed.files import LAYER_STATES, classify
@@ -37,7 +40,7 @@ from ..io.stformat import read_header
 from ..io.torchzip import TensorHandle, open_torch_file
 from ..layout.ranges import StoredRange
 
-CHECKPOINT, EXPORT, UNIVERSAL = "checkpoint", "export", "universal"
+CHECKPOINT, EXPORT, UNIVERSAL, DCP = "checkpoint", "export", "universal", "dcp"
 LATEST_UNIVERSAL = "latest_universal"
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
@@ -184,6 +187,22 @@ def export_tensors(folder: Path, states: bool = False) -> tuple[dict, list[Path]
     return tensors, files
 
 
+# ============================================================================================ DCP
+def dcp_tensors(path: Path, states: bool = False) -> tuple[dict, tuple, str]:
+    """The tensors of a DCP checkpoint (metadata and each chunk's archive header): the model's under their
+    FQNs, with ``states`` each per-element optimizer state as ``<key>/<name>`` (steps are not per element)."""
+    d = open_dcp(path)
+    out: dict = {}
+    for name, t in d.model.items():
+        out[name] = NamedTensor(name, t.dtype, t.shape, tuple(d.sources(t)))
+    if states:
+        for (name, key), t in d.states.items():
+            if t.shape == () and key == "step":
+                continue
+            out[f"{key}/{name}"] = NamedTensor(f"{key}/{name}", t.dtype, t.shape, tuple(d.sources(t)), key)
+    return out, d.stamps(), d.layout
+
+
 # ============================================================================================ universal
 def universal_folder(path: Path, tag: Optional[str] = None) -> Optional[Path]:
     """The ``<tag>_universal`` folder ``path`` (and ``tag``) point at, or None when it is not a universal
@@ -312,6 +331,9 @@ def open_tensor_set(source: Union[str, os.PathLike, Checkpoint, TensorSet], tag:
     if path.is_file() and path.suffix in (".safetensors", ".bin"):
         tensors = {t.key: t for t in file_tensors(path)}
         return TensorSet(EXPORT, os.fspath(path), f"weights file {path}", tensors, (stamp(os.fspath(path)),), notes)
+    if is_dcp(path):
+        tensors, stamps, layout = dcp_tensors(path, states)
+        return TensorSet(DCP, os.fspath(path), f"DCP checkpoint ({layout} layout) {path}", tensors, stamps, notes)
     uni = universal_folder(path, tag) if path.is_dir() else None
     if uni is not None:
         tensors, files = universal_tensors(uni, states)
@@ -338,5 +360,5 @@ def open_tensor_set(source: Union[str, os.PathLike, Checkpoint, TensorSet], tag:
 
 
 __all__ = ["NamedTensor", "TensorSet", "open_tensor_set", "checkpoint_tensors", "export_tensors",
-           "universal_tensors", "weight_files", "file_tensors", "universal_folder", "CHECKPOINT", "EXPORT",
-           "UNIVERSAL"]
+           "universal_tensors", "dcp_tensors", "weight_files", "file_tensors", "universal_folder", "CHECKPOINT",
+           "EXPORT", "UNIVERSAL", "DCP"]

@@ -167,6 +167,68 @@ def _verify_export(plan, src: Checkpoint, out: Path, cmp: Comparer, share: Share
     return checks
 
 
+# ============================================================================================ DCP
+def _verify_dcp(plan, src: Checkpoint, out: Path, cmp: Comparer, share: Share) -> list[Check]:
+    """A DCP export: the files, each folder's ``.metadata`` read back (keys, dtypes, shapes), every tensor
+    against the checkpoint bit for bit (the steps against the plan's step), every value unpickled."""
+    from ..dcp import open_dcp
+    from ..io.dcp.reader import read_value
+
+    missing = [f.name for f in plan.files if not (out / f.name).is_file()]
+    checks = [Check("every planned file is there", not missing, f"{len(plan.files)} file(s)"
+                    + (f"; missing {', '.join(missing[:MAX_LISTED])}" if missing else ""))]
+    if missing:
+        return checks
+    bad_keys, bad, bad_values, total, n_values = [], [], [], 0, 0
+    for folder, values in plan.values.items():
+        try:
+            d = open_dcp(out / folder)
+        except CkptError as e:
+            checks.append(Check(f"{folder or '.'}: the .metadata reads back", False, str(e)))
+            return checks
+        want = {v.fqn: (v.tensor.dtype, tuple(v.tensor.shape)) if v.tensor is not None else None for v in values}
+        have = {k: (t.dtype, t.shape) for k, t in d.tensors.items()}
+        have.update({k: None for k in d.values})
+        bad_keys += [k for k in sorted(set(want) | set(have)) if want.get(k, 0) != have.get(k, 0)]
+        for v in values:
+            if v.tensor is None:
+                n_values += 1
+                got = read_value(out / folder, d.values[v.fqn][1]) if v.fqn in d.values else None
+                if got != v.value or type(got) is not type(v.value):
+                    bad_values.append(v.fqn)
+                continue
+            total += 1
+            t = d.tensors.get(v.fqn)
+            if t is None or not share.mine():
+                bad += [v.fqn] if t is None else []
+                continue
+            theirs = d.sources(t)
+            if v.key == "step":
+                ok = _step_equal(theirs, plan.step)
+            else:
+                ok = cmp.equal(src.sources(v.source, v.key), theirs, v.tensor.dtype)
+            if not ok:
+                bad.append(v.fqn)
+    checks.append(_tally("each .metadata names exactly the planned keys (dtypes, shapes)", len(bad_keys) or 1,
+                         bad_keys) if bad_keys else Check("each .metadata names exactly the planned keys (dtypes, "
+                                                          "shapes)", True))
+    checks.append(_tally("every tensor equals the checkpoint's value (steps: the optimizer's), bit for bit",
+                         total, bad))
+    checks.append(_tally("every value (hyper-parameters, parameter lists) reads back as planned", n_values,
+                         bad_values))
+    return checks
+
+
+def _step_equal(ranges: list, step) -> bool:
+    import struct
+
+    if len(ranges) != 1 or ranges[0].count != 1 or ranges[0].dtype != "float32":
+        return False
+    with open(ranges[0].path, "rb") as f:
+        f.seek(ranges[0].offset)
+        return struct.unpack("<f", f.read(4))[0] == float(step)
+
+
 # ============================================================================================ reshard
 def _verify_reshard(plan, src: Checkpoint, out: Path, cmp: Comparer, share: Share) -> list[Check]:
     try:
@@ -252,6 +314,8 @@ def verify(plan: Plan, out: Optional[os.PathLike] = None, *, chunk_bytes: int = 
     out = Path(out if out is not None else plan.out)
     result = Verification(out=out)
     do = {"export": _verify_export, "reshard": _verify_reshard, "universal": _verify_universal}.get(plan.action)
+    if getattr(plan, "format", None) == "dcp":
+        do = _verify_dcp
     if do is None:
         raise CkptError(f"cannot verify the output of a {plan.action!r} plan")
     if not out.is_dir():
@@ -259,12 +323,37 @@ def verify(plan: Plan, out: Optional[os.PathLike] = None, *, chunk_bytes: int = 
         return result
     cmp = Comparer(chunk_bytes, progress, cancel)
     try:
-        with open_checkpoint(plan.source.save_dir, tag=plan.source.tag, tp_rules=plan.source.tp_rules) as src:
+        with _open_source(plan) as src:
             result.checks = do(plan, src, out, cmp, share or Share()) + _copies(plan, out)
     finally:
         result.bytes_compared = cmp.compared
         cmp.close()
     return result
+
+
+class _DcpSource:
+    """A DCP checkpoint answering ``sources(name, key)`` as a :class:`Checkpoint` does (an export's source)."""
+
+    def __init__(self, path: str):
+        from ..dcp import open_dcp
+
+        self.d = open_dcp(path)
+
+    def sources(self, name: str, key: Optional[str] = None) -> list:
+        t = self.d.states[(name, key)] if key else self.d.model[name]
+        return self.d.sources(t)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+def _open_source(plan: Plan):
+    if plan.source.flavor == "dcp":
+        return _DcpSource(plan.source.save_dir)
+    return open_checkpoint(plan.source.save_dir, tag=plan.source.tag, tp_rules=plan.source.tp_rules)
 
 
 def free_disk(path: os.PathLike) -> Optional[int]:

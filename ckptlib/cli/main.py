@@ -14,6 +14,7 @@ from .. import __version__
 from ..dtypes import OUTPUT_DTYPES
 from ..errors import CkptError
 from ..units import human_bytes
+from .dcp import add_dcp_arguments
 from .resume import add_arguments as resume_arguments
 
 TP_RULES_HELP = ("tensor-parallel checkpoints saved without universal_checkpoint_info: a JSON file with its keys "
@@ -23,7 +24,13 @@ TP_RULES_HELP = ("tensor-parallel checkpoints saved without universal_checkpoint
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from ..analysis.summary import describe, format_text
+    from ..dcp import is_dcp
     from ..deepspeed import open_checkpoint
+
+    if is_dcp(args.path):
+        from .dcp import inspect_dcp
+
+        return inspect_dcp(args.path, args.json)
 
     with open_checkpoint(args.path, tag=args.tag, tp_rules=args.tp_rules) as ckpt:
         if args.json:
@@ -95,12 +102,14 @@ def _plan_and_run(args: argparse.Namespace, make_plan, desc: str) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     from ..export import plan_export
 
+    from .dcp import dcp_options
+
     states = [s for s in (args.states or "").split(",") if s]
     return _plan_and_run(args, lambda: plan_export(
         args.path, args.out, tag=args.tag, format=args.format, dtype=args.dtype,
         max_shard_size=args.max_shard_size, exclude_frozen=args.exclude_frozen, states=states,
         workers=args.workers, overwrite=args.overwrite, tp_rules=args.tp_rules, hf_files=args.hf_files,
-        sync=args.sync), "export")
+        sync=args.sync, dcp=dcp_options(args)), "export")
 
 
 def _cmd_reshard(args: argparse.Namespace) -> int:
@@ -182,8 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="output folder (created; must be empty unless --overwrite)")
     p.add_argument("--tag", help="tag to export (default: the one 'latest' names)")
     p.add_argument("--tp-rules", metavar="FILE", help=TP_RULES_HELP)
-    p.add_argument("--format", choices=["safetensors", "torch"], default="safetensors",
-                   help="safetensors: model*.safetensors; torch: pytorch_model*.bin (torch.save, weights_only loads it)")
+    p.add_argument("--format", choices=["safetensors", "torch", "dcp"], default="safetensors",
+                   help="safetensors: model*.safetensors; torch: pytorch_model*.bin (torch.save, weights_only loads it); "
+                        "dcp: a torch.distributed.checkpoint folder for FSDP2 (see --layout, --optimizer)")
     p.add_argument("--dtype", choices=list(OUTPUT_DTYPES), default="fp32",
                    help="dtype of parameters and floating buffers (integer buffers stay exact)")
     p.add_argument("--max-shard-size", default="5GB", help="shard limit, decimal units like 5GB or 500MB")
@@ -192,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "files, chat templates and remote code from beside the checkpoint")
     p.add_argument("--exclude-frozen", action="store_true", help="leave out frozen parameters")
     p.add_argument("--states", help="optimizer states to export too, comma separated, e.g. exp_avg,exp_avg_sq")
+    add_dcp_arguments(p)
     p.add_argument("--workers", type=int, default=1, help="processes to write with")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
     p.add_argument("--no-sync", dest="sync", action="store_false", help=NO_SYNC_HELP)

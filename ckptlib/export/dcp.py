@@ -204,6 +204,21 @@ def _optimizer_groups(ck: Checkpoint, trainable: list) -> tuple[list[dict], dict
     return out, member
 
 
+def _initial_lr(groups: list[dict], run: dict) -> list[str]:
+    """torch's LR schedulers keep each group's base lr as ``initial_lr``, and a loader whose optimizer has a
+    scheduler (torchtitan always builds one) expects it in the checkpoint. DeepSpeed's groups have it when
+    the run used a torch scheduler; a run without any scheduler never changed its lr, so the base lr is
+    the lr. With a DeepSpeed scheduler and no ``initial_lr`` it is not known: left out, said in a note."""
+    if all("initial_lr" in g for g in groups):
+        return []
+    if run.get("lr_scheduler") is not None:
+        return ["the parameter groups have no initial_lr (DeepSpeed's own scheduler ran): an optimizer with a torch "
+                "LR scheduler will not find it; build the scheduler after loading"]
+    for g in groups:
+        g.setdefault("initial_lr", g["lr"])
+    return ["initial_lr (what torch LR schedulers keep) is each group's lr: the run had no LR scheduler"]
+
+
 def _steps(ck: Checkpoint) -> int:
     """The optimizer step of every group and rank (they must agree), read from the files."""
     from ..analysis.health import read_steps
@@ -369,6 +384,7 @@ def plan_dcp(ck: Checkpoint, out: Path, *, layout: str = "torch", optimizer: boo
                 path=ck.location.tag_dir, hint="export the model only (without --optimizer)")
         step = _steps(ck)
         groups, members = _optimizer_groups(ck, trainable)
+        notes += _initial_lr(groups, _training_state(ck))
         opt = _state_values(ck, trainable, step, ("optimizer",))
         opt += _group_values(groups, members, layout == "torchtitan", ("optimizer",))
         if dtype != "fp32":

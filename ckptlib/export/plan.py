@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Optional, Sequence, Union
 
+from ..dcp import is_dcp
 from ..deepspeed import Checkpoint, hf, open_checkpoint
 from ..dtypes import BY_SHORT, OUTPUT_DTYPES, is_floating
 from ..errors import CkptError
@@ -87,7 +88,8 @@ class ExportPlan(Plan):
             f"export {src.tag_dir}",
             f"    -> {self.out}  ({self.format}, {self.dtype}"
             + (f", shards up to {human_bytes(self.max_shard_size)}" if len(self.weights) > 1 else "") + ")",
-            f"ZeRO {src.zero_stage}, {src.dtype}, {src.dp_world_size} ranks; {len(self.tensors)} tensors "
+            (f"ZeRO {src.zero_stage}, {src.dtype}, {src.dp_world_size} ranks" if src.flavor != "dcp" else
+             "a DCP checkpoint") + f"; {len(self.tensors)} tensors "
             f"in {len(self.weights)} file{'s' if len(self.weights) != 1 else ''}",
             f"{self.reads_text()}; {self.writes_text()}",
             f"predicted peak memory: {human_bytes(self.predicted_peak_bytes)} per process "
@@ -190,6 +192,11 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
 
     Memory: the plan itself (one small record per tensor and stored range).
     """
+    if not isinstance(checkpoint, Checkpoint) and format != "dcp" and is_dcp(checkpoint):
+        from .from_dcp import plan_from_dcp  # a DCP checkpoint as the source
+
+        return plan_from_dcp(checkpoint, out, format=format, dtype=dtype, limit=_limit(max_shard_size), states=states,
+                             workers=workers, overwrite=overwrite, chunk_bytes=chunk_bytes, sync=sync)
     ck = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, tag=tag, tp_rules=tp_rules)
     if format not in FORMATS:
         raise CkptError(f"unknown format {format!r}; choose one of {', '.join(FORMATS)}")
@@ -203,12 +210,7 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
         raise CkptError(f"unknown dtype {dtype!r}; choose one of {', '.join(OUTPUT_DTYPES)}")
     if workers < 1:
         raise CkptError("workers must be at least 1")
-    try:
-        limit = parse_size(max_shard_size)
-    except ValueError as e:
-        raise CkptError(str(e), hint="write sizes like 5GB, 500MB or 2GiB") from None
-    if limit <= 0:
-        raise CkptError("max_shard_size must be positive")
+    limit = _limit(max_shard_size)
     ck.check_readable()
     warnings = []
     if ck.flavor != "no_zero" and ck.zero_stage == 1 and any(not p.trainable and not p.tied_to for p in ck.parameters):
@@ -259,18 +261,22 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
                       checks=checks)
 
 
-def _plan_dcp(ck: Checkpoint, out, *, dtype: str, max_shard_size, states: Sequence[str], layout: str = "torch",
-              optimizer: bool = False, **options):
-    from .dcp import plan_dcp  # the DCP planner, loaded only for DCP exports
-
+def _limit(max_shard_size: Union[int, str]) -> int:
     try:
         limit = parse_size(max_shard_size)
     except ValueError as e:
         raise CkptError(str(e), hint="write sizes like 5GB, 500MB or 2GiB") from None
     if limit <= 0:
         raise CkptError("max_shard_size must be positive")
+    return limit
+
+
+def _plan_dcp(ck: Checkpoint, out, *, dtype: str, max_shard_size, states: Sequence[str], layout: str = "torch",
+              optimizer: bool = False, **options):
+    from .dcp import plan_dcp  # the DCP planner, loaded only for DCP exports
+
     return plan_dcp(ck, Path(out), layout=layout, optimizer=optimizer or bool(states), dtype=dtype,
-                    max_shard_size=limit, **options)
+                    max_shard_size=_limit(max_shard_size), **options)
 
 
 def _side_files(ck: Checkpoint, out_dtype: str) -> tuple[list, list[str]]:

@@ -1,0 +1,67 @@
+"""Planning an export whose source is a DCP checkpoint (FSDP2, torchtitan, Accelerate, or ckptlib's own
+``--format dcp``): the model's tensors, assembled from their chunks, as consolidated safetensors or torch
+files, and with ``states`` each per-element optimizer state in its own ``<key>/`` folder, as for a
+DeepSpeed source. So ``ckpt export CKPT A`` and ``ckpt export DCP B`` can be diffed file for file.
+
+From the ``.metadata`` files and each chunk's archive header alone; the plan is an ordinary
+:class:`~ckptlib.export.plan.ExportPlan` (its source's ``flavor`` is ``"dcp"``).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Sequence
+
+from ..dcp import open_dcp
+from ..dtypes import BY_SHORT, OUTPUT_DTYPES, is_floating
+from ..errors import CkptError
+from ..plan import PlannedTensor, SourceRef, TextFile, WeightsFile
+from .plan import ExportPlan, _file_names, _index_json, _shard, weights_file_size
+
+
+def plan_from_dcp(path: os.PathLike, out: os.PathLike, *, format: str, dtype: str, limit: int,
+                  states: Sequence[str] = (), workers: int = 1, overwrite: bool = False, chunk_bytes: int,
+                  sync: bool = True) -> ExportPlan:
+    """Plan the export of the DCP checkpoint at ``path`` (see the module docstring).
+
+    Memory: the plan; reads the metadata and a few hundred bytes per chunk.
+    """
+    if dtype not in OUTPUT_DTYPES:
+        raise CkptError(f"unknown dtype {dtype!r}; choose one of {', '.join(OUTPUT_DTYPES)}")
+    d = open_dcp(path)
+    out_dtype = BY_SHORT[dtype].name
+    weights = [PlannedTensor(name, name, None, "trainable" if is_floating(t.dtype) else "buffer", t.shape,
+                             out_dtype if is_floating(t.dtype) else t.dtype, tuple(d.sources(t)))
+               for name, t in d.model.items()]
+    sets = [("", weights)]
+    known = sorted({k for (_, k), t in d.states.items() if t.shape})
+    for key in states:
+        if key not in known:
+            raise CkptError(f"the optimizer state has no per-element '{key}' (it has: {', '.join(known) or 'none'})",
+                            path=os.fspath(d.path))
+        sets.append((key + "/", [PlannedTensor(name, name, key, "state", t.shape, "float32", tuple(d.sources(t)))
+                                 for (name, k), t in d.states.items() if k == key]))
+    files, finals, index_files = [], [], {}
+    for prefix, tensors in sets:
+        shards = _shard(tensors, limit)
+        names, index = _file_names(format, max(len(shards), 1))
+        key = tensors[0].key if tensors else None
+        meta = {"format": "pt", **({"optimizer_state": key} if key else {})}
+        group = [WeightsFile(prefix + name, format, shard, dict(meta) if format == "safetensors" else {},
+                             kind="state" if key else "weights") for name, shard in zip(names, shards or [[]])]
+        for f in group:
+            f.size = weights_file_size(f)
+        files += group
+        if index:
+            index_files[prefix + index] = [f.name for f in group]
+            finals.append(TextFile(prefix + index, _index_json(group, key), kind="index"))
+    src = SourceRef(save_dir=os.fspath(d.path), tag="", tag_dir=os.fspath(d.path), zero_stage=None, flavor="dcp",
+                    dtype=None, dp_world_size=None, partition_count=None, total_bytes=d.total_bytes,
+                    stamps=d.stamps())
+    return ExportPlan(source=src, out=Path(out).expanduser().resolve(), files=files, finals=finals, format=format,
+                      dtype=dtype, max_shard_size=limit, states=tuple(states), index_files=index_files,
+                      chunk_bytes=chunk_bytes, workers=workers, overwrite=overwrite, sync=sync,
+                      notes=[f"source: a DCP checkpoint ({d.layout} layout)"])
+
+
+__all__ = ["plan_from_dcp"]
