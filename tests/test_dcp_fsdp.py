@@ -3,7 +3,7 @@
 moments, the step, the groups' hyper-parameters, frozen parameters and buffers, from ZeRO-1/2/3 and
 BF16_Optimizer sources saved at other sizes (bf16 and fp32; FixtureNet is tied and has frozen parameters),
 a pipeline and a tensor-parallel source; one more training step matches DeepSpeed's own next step;
-torchtitan's own CheckpointManager loads the torchtitan layout."""
+torchtitan's own CheckpointManager loads the torchtitan layout, Accelerate's FSDP2 loading the accelerate layout."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -25,6 +25,7 @@ FIXTURE_CASES = [("z1_fp32_w2", 1), ("z3_bf16_w2", 1), ("bf16opt_w2", 1),
 PARALLEL_CASES = [("pp2_dp2_z1_bf16", 1), ("tp2_dp2_z2_fp32", 1), ("tp2_dp2_z1_bf16", 2), ("pp2_dp2_z1_fp32", 2),
                   ("pp2_dp2_bf16opt", 3), ("tp2_dp2_z2_bf16", 3)]
 TITAN_CASES = [("z2_bf16_w2", 2), ("z3_fp32_w3", 3)]
+ACCELERATE_CASES = [("z1_bf16_w3", 2), ("z3_bf16_w2", 1)]
 
 
 def _groups_of(shapes: dict, frozen: set) -> list:
@@ -52,6 +53,12 @@ def runs(fixture_by_name, parallel_fixtures, tmp_path_factory):
         ckptlib.export(fx["checkpoint_path"], out, format="dcp", dcp={"optimizer": True, "layout": "torchtitan"})
         jobs[m].append({"name": f"{name}@{m}-titan", "dcp": out, "model": "fixture", "groups": groups,
                         "loader": "torchtitan"})
+    for name, m in ACCELERATE_CASES:
+        fx = fixture_by_name(name)
+        out = work / f"{name}-accelerate"
+        ckptlib.export(fx["checkpoint_path"], out, format="dcp", dcp={"optimizer": True, "layout": "accelerate"})
+        jobs[m].append({"name": f"{name}@{m}-accelerate", "dcp": out, "model": "fixture", "groups": groups,
+                        "loader": "accelerate"})
     for name, m in PARALLEL_CASES:
         fx = parallel_fixtures[name]
         ck = ckptlib.open_checkpoint(fx["checkpoint_path"])
@@ -88,7 +95,7 @@ def test_fsdp2_loads_masters_moments_step_groups_frozen_and_buffers_exactly(runs
     assert got["world_size"] == m and m != fx["world_size"]
     loaded = got["loaded"]
     _exact(loaded, ref["fp32"], ref["optim"], ref["step"])
-    assert torch.equal(loaded["params"]["head.weight"], loaded["params"]["embed.weight"])  # tied
+    assert loaded["tied"] == ["head.weight"]  # still one parameter with embed.weight after the load
     for p, want in ref["frozen"].items():
         assert torch.equal(loaded["params"][p], want.float()), f"frozen {p}"
     for b, want in ref["buffers"].items():
@@ -132,3 +139,14 @@ def test_torchtitan_checkpoint_manager_loads_the_torchtitan_layout(runs, fixture
     _exact(got["loaded"], ref["fp32"], ref["optim"], ref["step"])
     assert got["titan"] == {"train_step": fx["extras"]["global_steps"], "ntokens_seen": 0,
                             "last_epoch": fx["extras"]["global_steps"]}
+
+
+@pytest.mark.parametrize("name,m", ACCELERATE_CASES, ids=[f"{n}->accelerate{m}" for n, m in ACCELERATE_CASES])
+def test_accelerates_fsdp2_loading_reads_the_accelerate_layout(runs, fixture_by_name, name, m):
+    """Accelerate's load_fsdp_model / load_fsdp_optimizer (what Accelerator.load_state runs for FSDP; it
+    cannot run FSDP on CPU itself, see tests/fixtures/fsdp_load.py) on an FSDP2 model."""
+    fx = fixture_by_name(name)
+    ref = reference(fx)
+    got = runs[f"{name}@{m}-accelerate"]
+    assert "error" not in got, got.get("error")
+    _exact(got["loaded"], ref["fp32"], ref["optim"], ref["step"])

@@ -42,7 +42,7 @@ from typing import Any, ClassVar, Optional, Sequence
 from ..deepspeed import Checkpoint, hf
 from ..deepspeed.records import NO_ZERO
 from ..dtypes import BY_SHORT, OUTPUT_DTYPES, is_floating
-from ..errors import CkptError, UnsupportedCheckpointError
+from ..errors import CkptError, IncompleteCheckpointError, UnsupportedCheckpointError
 from ..io.dcp import SUFFIX, BytesEntry, Chunk, DcpMetadata, Item, TensorEntry, metadata_pickle, place
 from ..io.torchzip import TensorHandle
 from ..io.torchzip.specs import NewTensor
@@ -254,7 +254,16 @@ def _model_values(ck: Checkpoint, out_dtype: str, prefix: tuple) -> list[Value]:
             dt, shape, b = out_dtype, tuple(owner.shape), None
         source = name if b is not None else (params[name].tied_to or name)
         path = prefix + (name,)
-        out.append(Value(".".join(path), path, NewTensor(dt, shape, tuple(ck.sources(source))), source=source))
+        try:
+            ranges = tuple(ck.sources(source))
+        except IncompleteCheckpointError:
+            raise UnsupportedCheckpointError(
+                f"no data saved for the frozen parameter {source} (the checkpoint was saved with "
+                "exclude_frozen_parameters): a DCP model state holds every parameter, and FSDP2's load fails on a "
+                "missing one", path=ck.location.tag_dir,
+                hint="export from a checkpoint saved with its frozen parameters, or load them from the base model "
+                     "after a load with allow_partial_load") from None
+        out.append(Value(".".join(path), path, NewTensor(dt, shape, ranges), source=source))
     return out
 
 

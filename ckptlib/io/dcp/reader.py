@@ -49,6 +49,10 @@ def _mem_format(value):
     return int(value)
 
 
+def _path(*parts):
+    return os.path.join(*(str(p) for p in parts)) if parts else ""
+
+
 _STANDINS = {(_M, n): standin_class(f"{_M}.{n}") for n in (
     "Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata", "StorageMeta")}
 _STANDINS[(_M, "TensorProperties")] = _Properties
@@ -56,8 +60,8 @@ _STANDINS[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = standin
     "torch.distributed.checkpoint.filesystem._StorageInfo")
 _STANDINS[("torch.serialization", "_get_layout")] = _layout
 _STANDINS[(_M, "_MEM_FORMAT_ENCODING")] = _mem_format
-_STANDINS[("pathlib", "PosixPath")] = str  # StorageMeta.checkpoint_id as torch pickles a Path
-_STANDINS[("pathlib", "WindowsPath")] = str
+_STANDINS[("pathlib", "PosixPath")] = _path  # StorageMeta.checkpoint_id: torch pickles a Path as its parts
+_STANDINS[("pathlib", "WindowsPath")] = _path
 
 
 class _Index(Standin):
