@@ -37,7 +37,7 @@ import struct
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Optional, Sequence
+from typing import Any, ClassVar, Optional
 
 from ..deepspeed import Checkpoint, hf
 from ..deepspeed.records import NO_ZERO

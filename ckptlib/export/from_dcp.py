@@ -16,7 +16,7 @@ from ..dcp import open_dcp
 from ..dtypes import BY_SHORT, OUTPUT_DTYPES, is_floating
 from ..errors import CkptError
 from ..plan import PlannedTensor, SourceRef, TextFile, WeightsFile
-from .plan import ExportPlan, _file_names, _index_json, _shard, weights_file_size
+from .weights import ExportPlan, file_names, index_json, shard_tensors, weights_file_size
 
 
 def plan_from_dcp(path: os.PathLike, out: os.PathLike, *, format: str, dtype: str, limit: int,
@@ -43,8 +43,8 @@ def plan_from_dcp(path: os.PathLike, out: os.PathLike, *, format: str, dtype: st
                                  for (name, k), t in d.states.items() if k == key]))
     files, finals, index_files = [], [], {}
     for prefix, tensors in sets:
-        shards = _shard(tensors, limit)
-        names, index = _file_names(format, max(len(shards), 1))
+        shards = shard_tensors(tensors, limit)
+        names, index = file_names(format, max(len(shards), 1))
         key = tensors[0].key if tensors else None
         meta = {"format": "pt", **({"optimizer_state": key} if key else {})}
         group = [WeightsFile(prefix + name, format, shard, dict(meta) if format == "safetensors" else {},
@@ -54,7 +54,7 @@ def plan_from_dcp(path: os.PathLike, out: os.PathLike, *, format: str, dtype: st
         files += group
         if index:
             index_files[prefix + index] = [f.name for f in group]
-            finals.append(TextFile(prefix + index, _index_json(group, key), kind="index"))
+            finals.append(TextFile(prefix + index, index_json(group, key), kind="index"))
     src = SourceRef(save_dir=os.fspath(d.path), tag="", tag_dir=os.fspath(d.path), zero_stage=None, flavor="dcp",
                     dtype=None, dp_world_size=None, partition_count=None, total_bytes=d.total_bytes,
                     stamps=d.stamps())
