@@ -161,11 +161,13 @@ def test_verify_passes_and_catches_one_flipped_bit(fixture_by_name, tmp_path):
                                dcp={"optimizer": True})
     ckptlib.run(plan)
     assert verify(plan).ok
-    item = next(it for f in plan.files if hasattr(f, "items") for it in f.items if it.fqn.endswith("fc2.weight.exp_avg"))
-    path = tmp_path / "o" / "__0_0.distcp"
-    raw = bytearray(path.read_bytes())
-    raw[item.offset + item.length - 200 - 22] ^= 0x01  # inside the storage member (the zip directory is last)
-    path.write_bytes(raw)
+    from ckptlib.dcp import open_dcp
+
+    d = open_dcp(tmp_path / "o")
+    r = d.sources(d.tensors["optimizer.state.fc2.weight.exp_avg"])[0]
+    raw = bytearray(open(r.path, "rb").read())
+    raw[r.offset + 4 * 17 + 1] ^= 0x01  # one bit of element 17 of the stored exp_avg
+    open(r.path, "wb").write(raw)
     v = verify(plan)
     assert not v.ok and any("fc2.weight.exp_avg" in " ".join(c.bad) for c in v.checks if not c.ok)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 from ..dcp import open_dcp
 from ..dtypes import BY_SHORT, OUTPUT_DTYPES, is_floating
@@ -41,12 +41,15 @@ def plan_from_dcp(path: os.PathLike, out: os.PathLike, *, format: str, dtype: st
                             path=os.fspath(d.path))
         sets.append((key + "/", [PlannedTensor(name, name, key, "state", t.shape, "float32", tuple(d.sources(t)))
                                  for (name, k), t in d.states.items() if k == key]))
+    step = _step(d) if states else None
     files, finals, index_files = [], [], {}
     for prefix, tensors in sets:
         shards = shard_tensors(tensors, limit)
         names, index = file_names(format, max(len(shards), 1))
         key = tensors[0].key if tensors else None
         meta = {"format": "pt", **({"optimizer_state": key} if key else {})}
+        if key and step is not None:
+            meta["step"] = str(step)
         group = [WeightsFile(prefix + name, format, shard, dict(meta) if format == "safetensors" else {},
                              kind="state" if key else "weights") for name, shard in zip(names, shards or [[]])]
         for f in group:
@@ -62,6 +65,25 @@ def plan_from_dcp(path: os.PathLike, out: os.PathLike, *, format: str, dtype: st
                       dtype=dtype, max_shard_size=limit, states=tuple(states), index_files=index_files,
                       chunk_bytes=chunk_bytes, workers=workers, overwrite=overwrite, sync=sync,
                       notes=[f"source: a DCP checkpoint ({d.layout} layout)"])
+
+
+def _step(d) -> Optional[int]:
+    """The optimizer step when every parameter has the same whole-number one (as a DeepSpeed export records
+    it), else None. Reads each step's few bytes."""
+    from ..dtypes import decode_scalar, itemsize
+    from ..io.sources import SourceFiles
+
+    steps = set()
+    with SourceFiles() as files:
+        for (_, key), t in d.states.items():
+            if key == "step" and t.numel == 1:
+                r = d.sources(t)[0]
+                raw = bytearray(itemsize(r.dtype))
+                files.read_into(r.path, r.offset, memoryview(raw))
+                steps.add(float(decode_scalar(raw, r.dtype)))
+    if len(steps) != 1 or not float(next(iter(steps))).is_integer():
+        return None
+    return int(steps.pop())
 
 
 __all__ = ["plan_from_dcp"]
