@@ -19,7 +19,7 @@ FIXTURES = ["z1_bf16_w3", "z2_fp32_w4", "z3_bf16_w2"]
 
 def test_the_suite_is_there():
     assert NOTEBOOKS == ["00_start_here", "01_browse", "02_partition_layout", "03_export_weights", "04_reshard",
-                         "05_health_and_diff"]
+                         "05_health_and_diff", "06_migrate_to_fsdp"]
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS)
@@ -113,6 +113,11 @@ def test_notebook_runs_headless(notebook, fixture, fixture_by_name, executed_not
         assert (out_dir / "export" / "model.safetensors").is_file()
     if notebook == "04_reshard":
         assert (out_dir / "reshard" / "latest").is_file()
+    if notebook == "06_migrate_to_fsdp":  # written, verified, diffed all same, loaded by FSDP2 bit for bit
+        assert (out_dir / "dcp" / ".metadata").is_file() and "verification failed" not in text
+        assert " 0 changed, 0 only in A, 0 only in B, 0 shape changed" in text
+        n = len(fx["reference_trainable"]) if "reference_trainable" in fx else 11
+        assert f"FSDP2 holds {n} of {n} fp32 masters, {n} of {n} exp_avg, {n} of {n} exp_avg_sq bit for bit" in text
     if notebook == "05_health_and_diff":  # healthy, the fp32 export the same, the bf16 one changed
         assert (out_dir / "diff-fp32" / "model.safetensors").is_file() and (out_dir / "diff-bf16").is_dir()
         assert "healthy: " in text and " 0 changed, 0 only in A, 0 only in B, 0 shape changed" in text

@@ -72,7 +72,7 @@ class Value:
     key: Optional[str] = None
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, repr=False)
 class DcpPlan(Plan):
     """A DCP export (plain data; see :class:`ckptlib.plan.Plan`).
 
@@ -102,6 +102,18 @@ class DcpPlan(Plan):
     @property
     def largest_tensor_bytes(self) -> int:
         return max((v.tensor.nbytes for v in self.tensors), default=0)
+
+    @property
+    def param_groups(self) -> list:
+        """The parameter groups written, as lists of parameter names (the groups a loader's optimizer needs)."""
+        out = {}
+        for vs in self.values.values():
+            for v in vs:
+                if v.path[:2] == ("optimizer", "param_groups") and v.path[-1] == "params":
+                    out[v.path[2]] = list(v.value)
+                elif v.fqn.startswith("optimizer.param_groups.") and v.fqn.endswith(".lr") and self.layout == "torchtitan":
+                    out.setdefault(repr(v.value), []).append(v.fqn[len("optimizer.param_groups."):-len(".lr")])
+        return list(out.values())
 
     def to_dict(self) -> dict:
         return {
