@@ -217,3 +217,28 @@ def test_parallel_writer_processes_write_the_same_bytes(fixture_by_name, tmp_pat
     for n in names:
         if n != ".metadata":  # differs only by the save id and the folder it names
             assert (tmp_path / "one" / n).read_bytes() == (tmp_path / "three" / n).read_bytes(), n
+
+
+def test_distributed_export_shares_the_files_and_writes_what_one_process_writes(fixture_by_name, tmp_path):
+    """``ckpt export --format dcp --optimizer --distributed --verify`` under torchrun at 2 ranks: every
+    ``.distcp`` byte as one process writes it, and the verification shared by the ranks holds."""
+    from tests.fixtures.torchrun import REPO, log_tail, torchrun
+
+    src = fixture_by_name("z3_bf16_w4")["checkpoint_path"]
+    argv = ["export", str(src), "{out}", "--format", "dcp", "--optimizer", "--max-shard-size", "25KB", "--verify"]
+    one = tmp_path / "one"
+    assert cli.main([a.format(out=one) for a in argv] + ["-q"]) == 0
+    jobs = [{"name": "dcp", "argv": [a.format(out=tmp_path / "dist") for a in argv] + ["--distributed"]}]
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    rc = torchrun(REPO / "tests" / "distributed_driver.py", 2, [str(tmp_path / "jobs.json"), str(tmp_path / "res")],
+                  tmp_path / "launch.log", 600)
+    records = [json.loads((tmp_path / "res" / f"rank{r}.jsonl").read_text().splitlines()[0]) for r in range(2)]
+    assert [r["rc"] for r in records] == [0, 0], (rc, records, log_tail(tmp_path / "launch.log"))
+    assert "verified:" in records[0]["stdout"] and sorted(v[0] for r in records for v in r["verified"]) == [0, 1]
+    names = sorted(p.name for p in one.iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "dist").iterdir()) and len(names) > 3
+    for n in names:
+        if n != ".metadata":
+            assert (one / n).read_bytes() == (tmp_path / "dist" / n).read_bytes(), n
+    a, b = read_metadata(one), read_metadata(tmp_path / "dist")
+    assert a.entries == b.entries and a.planner_data == b.planner_data
