@@ -15,4 +15,9 @@ $PIP install --upgrade pip >/dev/null
 extras="notebooks"
 [ "${1:-}" = "--dev" ] && extras="notebooks,dev"
 DS_BUILD_OPS=0 $PIP install -e ".[${extras}]"
+if [ "${1:-}" = "--dev" ]; then
+  # torchtitan's own CheckpointManager loads the DCP exports in tests/test_dcp_fsdp.py. Without its
+  # dependencies (they pin a nightly torch, datasets, wandb ...): what its checkpoint code imports.
+  $PIP install --no-deps torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1
+fi
 echo "ckptlib set up in .venv ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"
