@@ -2,34 +2,30 @@
 
     python bench/dcp_bench.py .bench-work/z2_bf16_w4 [--rounds 1]
 
-Rows, each its own process sampled from /proc every 5 ms after the page cache was dropped (when allowed):
+Rows, each its own process sampled by procmon after the page cache was dropped (when allowed):
 
 - ``ckpt export --format dcp --optimizer``: masters, exp_avg, exp_avg_sq, per-parameter step and the groups;
 - ``ckpt export --format dcp``: the model only;
 - the hand-written route (what torchtitan's maintainers advise in #765): DeepSpeed's
   ``get_fp32_state_dict_from_zero_checkpoint`` then ``dcp.save({"model": ...})``, weights only (it cannot
   carry the moments);
-- the floor: a plain copy (``shutil.copyfile``: inside the kernel) of the checkpoint's optimizer-state files,
-  the bytes the optimizer export reads and about the bytes it writes.
+- the floor: a plain copy (``shutil.copyfile``: inside the kernel) of the checkpoint's optimizer-state
+  files, the bytes the optimizer export reads and about the bytes it writes.
 
-Memory is peak RssAnon over each tool's own import baseline (a process that only imports what it
-imports). The hand route's and ckptlib's model-only DCP folders are compared with `ckpt diff` (every tensor
-of both, bounded memory); ckptlib's optimizer export with `ckpt diff --states` against the checkpoint.
+Memory is peak RssAnon over each tool's own import baseline. The hand route's and ckptlib's model-only
+folders are compared with `ckpt diff` (every tensor, bounded memory); ckptlib's optimizer export with
+`ckpt diff --states` against the checkpoint.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import PY, baseline, check_ok, ckpt, mib, parser, table, work_folder, write_json  # noqa: E402
 from procmon import drop_caches, medians, run  # noqa: E402
 
-PY = sys.executable
-MIB = 2**20
 HAND = """
 import sys, importlib
 importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
@@ -46,76 +42,55 @@ out.mkdir()
 for f in sorted(src.glob("*/*optim_states.pt")):
     shutil.copyfile(f, out / f.name)
 """
+#: tool -> (label, command for (checkpoint, out), what its import baseline imports)
 TOOLS = {
-    "ck-opt": ("ckpt export --format dcp --optimizer", ["-m", "ckptlib", "export", "{src}", "{out}", "-q",
-                                                        "--format", "dcp", "--optimizer"]),
-    "ck": ("ckpt export --format dcp (model only)", ["-m", "ckptlib", "export", "{src}", "{out}", "-q",
-                                                     "--format", "dcp"]),
-    "hand": ("get_fp32_state_dict_from_zero_checkpoint + dcp.save (model only)", ["-c", HAND, "{src}", "{out}"]),
-    "copy": ("floor: plain copy of the optimizer-state files", ["-c", COPY, "{src}", "{out}"]),
+    "ck-opt": ("ckpt export --format dcp --optimizer",
+               lambda c, o: ckpt("export", c, o, "-q", "--format", "dcp", "--optimizer"), "export"),
+    "ck": ("ckpt export --format dcp (model only)", lambda c, o: ckpt("export", c, o, "-q", "--format", "dcp"), "export"),
+    "hand": ("get_fp32_state_dict_from_zero_checkpoint + dcp.save (model only)",
+             lambda c, o: [PY, "-P", "-c", HAND, str(c), str(o)],
+             "torch.distributed.checkpoint, deepspeed.utils.zero_to_fp32"),
+    "copy": ("floor: plain copy of the optimizer-state files", lambda c, o: [PY, "-P", "-c", COPY, str(c), str(o)],
+             "shutil, pathlib"),
 }
-BASELINES = {"ck-opt": "ckptlib.cli, ckptlib.export, ckptlib.execute, tqdm", "ck": None,
-             "hand": "torch.distributed.checkpoint, deepspeed.utils.zero_to_fp32", "copy": "shutil"}
-
-
-def baseline(imports: str) -> int:
-    return run([PY, "-c", f"import {imports}; import time; time.sleep(0.5)"]).peak_anon
 
 
 def diff_line(a: Path, b: Path, states: bool = False) -> str:
-    r = run([PY, "-P", "-m", "ckptlib", "diff", str(a), str(b), "-q"] + (["--states"] if states else []))
+    r = run(ckpt("diff", a, b, "-q", *(["--states"] if states else [])))
     return (r.stdout.strip().splitlines() or [r.stderr.strip()])[-1] + f" (exit {r.returncode})"
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("checkpoint", type=Path)
-    ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--work", type=Path, default=None)
-    ap.add_argument("--json", type=Path, default=None)
-    args = ap.parse_args()
-    own_work = args.work is None
-    work = args.work or Path(tempfile.mkdtemp(prefix="ckptlib-dcp-bench-"))
-    bases = {}
-    for tool, imports in BASELINES.items():
-        bases[tool] = baseline(imports) if imports else bases["ck-opt"]
+    args = parser(__doc__, rounds=1, checkpoints=None).parse_args()
+    bases = {t: baseline(imports).peak_anon for t, (_, _, imports) in TOOLS.items()}
     dropped = drop_caches()
-    print("import baselines (RssAnon): " + ", ".join(f"{t} {b / MIB:.0f} MiB" for t, b in bases.items())
+    print("import baselines (RssAnon): " + ", ".join(f"{t} {mib(b)}" for t, b in bases.items())
           + f"; page cache dropped before each run: {dropped}")
-    res = {t: [] for t in TOOLS}
-    for r in range(args.rounds):
-        for tool, (_, argv) in TOOLS.items():
-            out = work / tool
-            shutil.rmtree(out, ignore_errors=True)
-            drop_caches()
-            st = run([PY, "-P"] + [a.format(src=args.checkpoint, out=out) for a in argv])
-            if st.returncode != 0:
-                print(st.stderr[-3000:], file=sys.stderr)
-                raise SystemExit(f"{tool} failed")
-            written = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-            st.written = written
-            res[tool].append(st)
-            print(f"  round {r + 1} {tool}: {st.wall:.2f} s, anon {st.peak_anon / MIB:.0f} MiB, "
-                  f"wrote {written / MIB:.0f} MiB", flush=True)
-    med = medians(res, ("wall", "peak_anon"))
-    written = {t: res[t][-1].written for t in res}
-    checks = {"hand vs ckpt (model)": diff_line(work / "hand", work / "ck"),
-              "checkpoint vs ckpt --optimizer (masters and moments)": diff_line(args.checkpoint, work / "ck-opt", True)}
+    with work_folder(args, "ckptlib-dcp-bench-") as work:
+        res = {t: [] for t in TOOLS}
+        written = {}
+        for r in range(args.rounds):
+            for tool, (_, command, _) in TOOLS.items():
+                out = work / tool
+                shutil.rmtree(out, ignore_errors=True)
+                drop_caches()
+                st = check_ok(run(command(args.checkpoints, out)), tool)
+                res[tool].append(st)
+                written[tool] = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+                print(f"  round {r + 1} {tool}: {st.wall:.2f} s, anon {mib(st.peak_anon)}, wrote {mib(written[tool])}",
+                      flush=True)
+        med = medians(res, ("wall", "peak_anon"))
+        checks = {"hand route vs ckpt (model)": diff_line(work / "hand", work / "ck"),
+                  "checkpoint vs ckpt --optimizer (masters and moments)":
+                      diff_line(args.checkpoints, work / "ck-opt", True)}
     floor = med["copy"]["wall"]
     print()
-    print("| route | wall time | x copy floor | peak RssAnon over import baseline | written |")
-    print("|---|---|---|---|---|")
-    for tool, (label, _) in TOOLS.items():
-        m = med[tool]
-        print(f"| {label} | {m['wall']:.2f} s | {m['wall'] / floor:.2f}x | "
-              f"{max(0, m['peak_anon'] - bases[tool]) / MIB:.0f} MiB | {written[tool] / MIB:.0f} MiB |")
+    print(table(["route", "wall time", "x copy floor", "peak RssAnon over import baseline", "written"],
+                [[label, f"{med[t]['wall']:.2f} s", f"{med[t]['wall'] / floor:.2f}x",
+                  mib(max(0, med[t]["peak_anon"] - bases[t])), mib(written[t])] for t, (label, _, _) in TOOLS.items()]))
     for what, line in checks.items():
         print(f"\n{what}: {line}")
-    if args.json:
-        args.json.write_text(json.dumps({"median": med, "baselines": bases, "written": written, "checks": checks},
-                                        indent=2))
-    if own_work:
-        shutil.rmtree(work, ignore_errors=True)
+    write_json(args, {"median": med, "baselines": bases, "written": written, "checks": checks})
     return 0
 
 
