@@ -50,13 +50,14 @@ def ds_fixture(request, fixture_by_name):
 
 @pytest.fixture(scope="session")
 def parallel_fixtures() -> dict:
-    """Pipeline, tensor-parallel, MoE, AutoTP and Ulysses checkpoints made by DeepSpeed (cached; see
-    tests/fixtures/parallel and tests/fixtures/hf_parallel), by name."""
+    """Pipeline, tensor-parallel, MoE, AutoTP, Ulysses and pipeline x tensor x data (3D) checkpoints made by
+    DeepSpeed (cached; see tests/fixtures/parallel, tests/fixtures/hf_parallel and tests/fixtures/mesh), by name."""
     from tests.fixtures.hf_parallel import factory as hf_factory
+    from tests.fixtures.mesh import factory as mesh_factory
     from tests.fixtures.parallel import factory as par_factory
 
     out = {}
-    for factory in (par_factory, hf_factory):
+    for factory in (par_factory, hf_factory, mesh_factory):
         for fx in factory.list_fixtures(factory.ensure_fixtures(verbose=False)):
             out[fx["name"]] = fx
     return out

@@ -20,9 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _names():
     from tests.fixtures.hf_parallel.common import all_specs as hf_specs
+    from tests.fixtures.mesh.generate import all_specs as mesh_specs
     from tests.fixtures.parallel.generate import all_specs as par_specs
 
-    return [s.name for s in par_specs()] + [s.name for s in hf_specs()]
+    return [s.name for s in par_specs()] + [s.name for s in hf_specs()] + [s.name for s in mesh_specs()]
 
 
 def pytest_generate_tests(metafunc):  # noqa: D103 - parametrise by fixture name, known without generating
@@ -71,7 +72,9 @@ def test_inspect_shows_the_mesh(pfx):
     assert code == 0, out + err
     d = json.loads(out)
     kind = {"pipeline": "pipeline", "tensor_parallel": "tensor_parallel", "autotp": "tensor_parallel",
-            "moe": "data_parallel", "ulysses": "data_parallel"}[fx["kind"]]
+            "moe": "data_parallel", "ulysses": "data_parallel", "pipe_tp": "pipeline"}[fx["kind"]]
+    if fx["kind"] == "tensor_parallel" and fx["tp"] == 1:
+        kind = "data_parallel"  # one tensor rank: nothing is split
     assert d["parallelism"] == kind and d["problems"] == []
     assert d["pp_world_size"] == fx.get("pp", 1) and d["tp_world_size"] == fx.get("tp", 1)
     assert d["dp_world_size"] == fx["dp"] and d["sp_world_size"] == fx.get("sp", 1)
@@ -83,21 +86,29 @@ def test_inspect_shows_the_mesh(pfx):
         assert set(f) >= {"stage", "tp_rank", "dp_rank", "expert"}
         if fx["kind"] == "pipeline" and f["kind"] in ("model_states", "optim_states"):
             assert f["stage"] == f["mp_rank"] and f["tp_rank"] is None
-        if fx["kind"] in ("tensor_parallel", "autotp") and f["kind"] in ("model_states", "optim_states"):
+        if fx["kind"] in ("tensor_parallel", "autotp") and fx["tp"] > 1 and f["kind"] in ("model_states", "optim_states"):
             assert f["tp_rank"] == f["mp_rank"] and f["stage"] is None
+        if fx["kind"] == "pipe_tp" and f["kind"] in ("model_states", "optim_states"):  # mp = stage x tp + tensor rank
+            assert (f["stage"], f["tp_rank"]) == divmod(f["mp_rank"], fx["tp"])
+        if fx["kind"] == "pipe_tp" and f["kind"] == "layer_states":  # layer_XX-model_YY: the stage holding layer XX
+            assert f["tp_rank"] == f["mp_rank"]
+            assert f["stage"] == next(s for s in range(fx["pp"]) if fx["pipeline_parts"][s] <= f["layer"]
+                                      < fx["pipeline_parts"][s + 1])
     ref = torch.load(fx["path"] / "reference.pt", weights_only=True)
     assert set(ref["params"]) <= {p["name"] for p in d["parameters"]}
     shapes = {p["name"]: p["shape"] for p in d["parameters"]}
     vocab = (fx.get("vocab_info") or {}).get("original_vocab_size")
     for name, want in ref["params"].items():
         expect = list(want.shape)
-        if vocab and name in fx.get("vocab", []):
+        if vocab and name in fx.get("vocab", []) and fx["tp"] > 1:
             expect[0] = vocab  # the export's shape: padding rows cut (Megatron's padded vocabulary)
         assert shapes[name] == expect, name
-    if fx["kind"] == "tensor_parallel":
+    if fx["kind"] in ("tensor_parallel", "pipe_tp") and fx["tp"] > 1:
         assert sorted(d["replicated"]) == sorted(fx["replicated"])
     elif fx["kind"] == "autotp":
         assert sorted(d["replicated"]) == sorted(fx["roles"]["replicated"])
+    elif fx["kind"] == "pipeline" and fx["pp"] > 1:  # the tied weight: one copy on each stage using it
+        assert d["replicated"] == [fx["tied_info"]["owner"]]
     else:
         assert d["replicated"] == []
 
@@ -167,7 +178,8 @@ def test_export_equals_the_live_engines_full_state(pfx, tmp_path, fmt, shard):
         assert ckptlib.verify(res.plan).ok
 
 
-@only(lambda n: n in ("tp2_dp2_z2_bf16", "autotp_tp2_dp2_z3_bf16", "pp2_dp2_z1_bf16", "moe_ep2_z1_bf16"))
+@only(lambda n: n in ("tp2_dp2_z2_bf16", "autotp_tp2_dp2_z3_bf16", "pp2_dp2_z1_bf16", "moe_ep2_z1_bf16",
+                      "pp2_tp2_dp2_z1_bf16"))
 def test_distributed_export_gives_the_same_bytes(pfx, tmp_path):
     fx = pfx
     one = tmp_path / "one"

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..deepspeed import NO_ZERO, Checkpoint
-from ..deepspeed.join import PIPELINE
 from ..deepspeed.moe import global_name
 from ..dtypes import is_floating
 from ..errors import IncompleteCheckpointError
@@ -105,22 +104,12 @@ def _saved_weight(saved, name: str, numel: int, master: tuple) -> tuple[tuple, O
 
 def replica_pairs(ck: Checkpoint, name: str, key: Optional[str] = None) -> tuple:
     """``(what, ranges, replica ranges)`` for every further copy of tensor ``name`` (``key``: an optimizer
-    state): tensor-parallel replicas (:meth:`Checkpoint.replica_checks`), and the copies of a pipeline's
-    tied layer in the later stages that hold it (the model reads the first)."""
+    state): tensor-parallel replicas and the copies of a pipeline's tied layer in the later stages that hold
+    it (:meth:`Checkpoint.replica_checks`; the model reads the first)."""
     try:
-        out = [(what, tuple(a), tuple(b)) for what, a, b in ck.replica_checks(name, key)]
+        return tuple((what, tuple(a), tuple(b)) for what, a, b in ck.replica_checks(name, key))
     except KeyError:  # a replica without this optimizer state: nothing to compare
-        out = []
-    if ck.kind == PIPELINE:
-        holders = [(mp, zs) for mp, zs in zero_sets(ck) if any(p.name == name and not p.tied_to
-                                                               for p in zs.parameters)]
-        for mp, zs in holders[1:]:
-            try:
-                out.append((f"{name}: stage {holders[0][0]} and stage {mp}", tuple(holders[0][1].sources(name, key)),
-                            tuple(zs.sources(name, key))))
-            except (KeyError, IncompleteCheckpointError):
-                continue
-    return tuple(out)
+        return ()
 
 
 def stats_items(ck: Checkpoint, states: bool = False, notes: Optional[list] = None) -> list[StatsItem]:

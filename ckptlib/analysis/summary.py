@@ -67,7 +67,10 @@ def parallel_line(ckpt: Checkpoint) -> str:
     """What parallelism the run had, in words."""
     parts = []
     if ckpt.kind == "pipeline":
-        parts.append(f"pipeline, {ckpt.mesh.pp} stages")
+        parts.append(f"pipeline, {ckpt.mesh.pp} stages" + (
+            f" x {ckpt.mesh.tp} tensor ranks (pipeline x tensor x data parallel: mp_rank = stage x {ckpt.mesh.tp} + "
+            "tensor rank" + (f"; {len(ckpt.replicated())} tensors replicated)" if ckpt.view is not None else
+                             "; how the shards join is unknown: --tp-rules)") if ckpt.mesh.tp > 1 else ""))
     elif ckpt.kind == "tensor_parallel":
         parts.append(f"tensor parallel, {ckpt.mesh.tp} tensor ranks"
                      + (f" ({len(ckpt.replicated())} tensors replicated)" if ckpt.view is not None else
@@ -139,7 +142,9 @@ def format_text(ckpt: Checkpoint) -> str:
     for n in ckpt.notes:
         lines.append(f"note: {n}")
     for r in ckpt.refusals:
-        lines.append(f"cannot read values: {r}; pass --tp-rules FILE (see `ckpt export --help`)")
+        lines.append(f"cannot read values: {r}")
+    if ckpt.refusals:
+        lines.append("hint: pass --tp-rules FILE (see `ckpt export --help`)")
     if ckpt.problems:
         lines.append(f"PROBLEMS ({len(ckpt.problems)}):")
         lines += [f"  - {p}" for p in ckpt.problems]

@@ -80,8 +80,15 @@ class Checkpoint:
         self.sequence_parallel, self.num_experts = joined.sequence_parallel, joined.num_experts
         self.refusals: list[str] = joined.refusals
         self.tp_rules = tp_rules
+        self.layer_stages: dict = {}  # layer file path -> the stage that holds its layer
+        for zs in self.sets.values():
+            for h in zs.records.index.module.values():
+                path = getattr(getattr(getattr(h, "storage", None), "file", None), "path", None)
+                if path is not None and "layer_" in os.path.basename(path):
+                    self.layer_stages.setdefault(path, zs.coordinate.pp)
         self.view: Optional[ModelView] = joined.view
         if self.view is not None:
+            self.view.set_labels = {mp: self.set_label(mp) for mp in self.sets}
             self.notes += [n for n in self.view.notes if n not in self.notes]
 
     # ================================================================== what it is
@@ -154,14 +161,33 @@ class Checkpoint:
 
     def coordinates(self, f) -> dict:
         """Where file ``f`` sits in the mesh: ``stage``, ``tp_rank``, ``dp_rank``, ``ep_rank``, ``layer``,
-        ``expert`` (None where the dimension does not apply)."""
-        mp = f.mp_rank if f.kind in ("model_states", "optim_states") else None
+        ``expert`` (None where the dimension does not apply). A layer file's stage is the stage that holds
+        its layer; its tensor rank is the ``-model_YY`` of its name."""
+        stage = tp_rank = None
+        if f.kind in ("model_states", "optim_states") and f.mp_rank is not None:
+            zs = self.sets.get(f.mp_rank)
+            if zs is not None:
+                stage, tp_rank = zs.coordinate.pp, zs.coordinate.tp
+            else:
+                stage, tp_rank = divmod(f.mp_rank, self.mesh.tp)
+        elif f.kind == "layer_states":
+            stage, tp_rank = self.layer_stages.get(os.fspath(f.path)), f.mp_rank
         moe = self.num_experts is not None and f.kind in ("optim_states", "expert_optim_states")
-        return {"stage": mp if self.kind == PIPELINE else None,
-                "tp_rank": mp if self.kind == "tensor_parallel" else None,
+        return {"stage": stage if self.mesh.pp > 1 or self.kind == PIPELINE else None,
+                "tp_rank": tp_rank if self.mesh.tp > 1 else None,
                 "dp_rank": f.dp_rank if f.kind != "expert_optim_states" else None,
                 "ep_rank": (f.dp_rank % self.mesh.ep if f.kind == "optim_states" else f.dp_rank) if moe else None,
                 "expert": f.expert, "layer": f.layer}
+
+    def set_label(self, mp: int) -> str:
+        """How a ZeRO set is named for the user: ``"stage 1, tensor rank 0"``, ``"stage 1"``, ``"tensor rank 1"``
+        or ``""`` (a checkpoint with one set)."""
+        if len(self.sets) == 1:
+            return ""
+        c = self.sets[mp].coordinate
+        parts = ([f"stage {c.pp}"] if self.mesh.pp > 1 or self.kind == PIPELINE else []) + \
+            ([f"tensor rank {c.tp}"] if self.mesh.tp > 1 else [])
+        return ", ".join(parts)
 
     def check_readable(self) -> None:
         """Raise if values cannot be read: :class:`UnsupportedCheckpointError` for a layout ckptlib does not
@@ -223,10 +249,15 @@ class Checkpoint:
         return self.read_ranges(self.sources(name), b.dtype).reshape(b.shape)
 
     # ================================================================== the partition API (of the sets)
+    def mp_of(self, rank: Rank) -> int:
+        """The model-parallel rank (``mp_rank_XX`` in file names) of ``rank``'s ZeRO set: ``stage * tp +
+        tensor rank`` (DeepSpeed's pipeline grid; the stage alone without a tensor axis, the tensor rank alone
+        without stages)."""
+        return rank.pp * self.mesh.tp + rank.tp
+
     def set_of(self, rank: Rank) -> ZeroSet:
-        """The ZeRO set that holds ``rank``'s files (its stage, or its tensor rank)."""
-        mp = rank.pp if self.kind == PIPELINE else rank.tp
-        zs = self.sets.get(mp)
+        """The ZeRO set that holds ``rank``'s files (its stage and tensor rank)."""
+        zs = self.sets.get(self.mp_of(rank))
         if zs is None:
             raise IncompleteCheckpointError(f"no files of {rank} in this checkpoint", path=self.location.tag_dir)
         return zs

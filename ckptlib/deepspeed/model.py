@@ -42,6 +42,7 @@ class ModelView:
     kind: str = "data_parallel"
     notes: list = field(default_factory=list)
     roles: dict = field(default_factory=dict)  # tensor parallel: name -> "replicated"/"column"/"row"/"vocabulary"/"affine"
+    set_labels: dict = field(default_factory=dict)  # mp rank -> how the user knows that set ("stage 1, tensor rank 0")
 
     _params: NameIndex = field(default_factory=NameIndex, init=False, repr=False, compare=False)
     _buffers: NameIndex = field(default_factory=NameIndex, init=False, repr=False, compare=False)
@@ -100,11 +101,18 @@ class ModelView:
             for s in b.shape:
                 n *= s
             for rep in b.replicas:
-                what = f"{owner}{'/' + key if key else ''}: {_label(b.source)} and {_label(rep)}"
+                what = f"{owner}{'/' + key if key else ''}: {self.label(b.source)} and {self.label(rep)}"
                 out.append((what, slice_ranges(first, b.local_offset, n) if _dense(b) else first,
                             slice_ranges(self.resolve(rep, key), b.local_offset, n) if _dense(b)
                             else self.resolve(rep, key)))
         return out
+
+
+    def label(self, source: Hashable) -> str:
+        """The set a block's source lies in, as the user knows it."""
+        if isinstance(source, tuple) and len(source) == 2:
+            return self.set_labels.get(source[0]) or f"mp rank {source[0]}"
+        return str(source)
 
 
 def _whole(b: Block, shape: tuple) -> bool:
@@ -115,12 +123,6 @@ def _whole(b: Block, shape: tuple) -> bool:
 
 def _dense(b: Block) -> bool:
     return tuple(b.local_strides) == row_major_strides(b.shape)
-
-
-def _label(source: Hashable) -> str:
-    if isinstance(source, tuple) and len(source) == 2:
-        return f"mp rank {source[0]}"
-    return str(source)
 
 
 def whole(source: Hashable, shape: tuple, replicas: tuple = ()) -> Block:

@@ -34,9 +34,21 @@ def is_pipeline(fs: OpenedFiles) -> bool:
     return any(f.kind == fnames.LAYER_STATES for f in fs.files)
 
 
-def _layers(fs: OpenedFiles) -> list[tuple[int, dict, object]]:
+def layer_tp_ranks(fs: OpenedFiles) -> list[int]:
+    """The tensor ranks the layer files are written for: ``[0]`` for ``layer_XX-model_states.pt``, the
+    ``YY`` of ``layer_XX-model_YY-model_states.pt`` (a pipeline with a tensor axis)."""
+    return sorted({f.mp_rank or 0 for f in fs.files if f.kind == fnames.LAYER_STATES} or {0})
+
+
+def has_tensor_axis(fs: OpenedFiles) -> bool:
+    """Whether the layer files name a tensor rank (``-model_YY``): the topology has a model axis."""
+    return any(f.mp_rank is not None for f in fs.files if f.kind == fnames.LAYER_STATES)
+
+
+def _layers(fs: OpenedFiles, tp: int = 0) -> list[tuple[int, dict, object]]:
     out = []
-    for f in sorted((f for f in fs.files if f.kind == fnames.LAYER_STATES), key=lambda f: f.layer):
+    for f in sorted((f for f in fs.files if f.kind == fnames.LAYER_STATES and (f.mp_rank or 0) == tp),
+                    key=lambda f: f.layer):
         tf = fs.get(f)
         if tf is None:
             continue  # the file's problem is recorded; its layer is then missing below
@@ -65,25 +77,32 @@ def _stage_names(model: dict, optims: list) -> Optional[list[str]]:
     return names + [b for b in model.get("buffer_names") or [] if b not in names]
 
 
-def _tied_names(models: dict) -> list[str]:
-    """``tied_modules.*`` names: from ``param_shapes``, or the literal pipeline-replicated patterns."""
+def _tied_names(models: dict, patterns: tuple = ()) -> list[str]:
+    """``tied_modules.*`` names: from ``param_shapes``, or the literal pipeline-replicated patterns (of the
+    ``universal_checkpoint_info`` saved, or of the rules given: ``patterns``)."""
     out = []
     for model in models.values():
         for group in model.get("param_shapes") or []:
             out += [n for n in group if n.startswith("tied_modules.") and n not in out]
         info = model.get("universal_checkpoint_info") or {}
-        for p in info.get("pipeline_replicated_parameter_patterns") or []:
+        for p in list(info.get("pipeline_replicated_parameter_patterns") or []) + list(patterns):
             name = _literal(p)
             if name and name.startswith("tied_modules.") and name not in out:
                 out.append(name)
     return out
 
 
-def stage_modules(fs: OpenedFiles, models: dict, optims: dict, problems: list) -> tuple[dict, list[str]]:
-    """``({stage: module}, notes)``; ``models``: each stage's model-states object, ``optims``: each stage's
-    optimizer-state objects. A layer that no stage claims, or a stage without its layers, is a problem."""
-    layers = _layers(fs)
-    tied = _tied_names(models)
+def stage_modules(fs: OpenedFiles, models: dict, optims: dict, problems: list, tp: int = 0,
+                  tensor_axis: bool = False, tied_patterns: tuple = (), refusals: Optional[list] = None
+                  ) -> tuple[dict, list[str]]:
+    """``({stage: module}, notes)`` of tensor rank ``tp`` (its layer files; ``tensor_axis``: they are named
+    ``layer_XX-model_YY``); ``models``: each stage's model-states object, ``optims``: each stage's
+    optimizer-state objects; ``tied_patterns``: the pipeline-replicated patterns of the rules given. A layer
+    that no stage claims, or a stage without its layers, is a problem; a ZeRO-0 stage whose optimizer holds
+    a tied layer's weight that no file names goes to ``refusals`` (nothing is damaged: a name is missing)."""
+    layers = _layers(fs, tp)
+    where = f"tensor rank {tp}, " if tensor_axis else ""
+    tied = _tied_names(models, tied_patterns)
     names_of = {s: _stage_names(models[s], optims.get(s, [])) for s in models}
     notes: list[str] = []
     # a tied layer's file holds the keys of one tie: the layer whose keys are a tie's keys (same shapes)
@@ -116,17 +135,31 @@ def stage_modules(fs: OpenedFiles, models: dict, optims: dict, problems: list) -
                 if idx not in tie_of and any(n in names for n in ent):
                     mod.update(ent)
         else:
-            mod, start = _match_by_shapes(models[s], entries, tie_of, tied_entries, start)
-            notes.append(f"stage {s}: no file names its parameters (ZeRO-0); its optimizer entries were matched "
-                         "to the layer files by shape, in order")
+            first = start
+            mod, start, unmatched = _match_by_shapes(models[s], entries, tie_of, tied_entries, start)
+            earlier = [idx for idx, ent in entries.items() if idx < first and idx not in tie_of
+                       and any(tuple(h.shape) in unmatched for h in ent.values())]
+            if unmatched and earlier and refusals is not None:
+                why = (f"stage {s}: its optimizer holds tensors of "
+                       f"shape {', '.join(str(list(x)) for x in unmatched[:3])} that match no layer of the stage but "
+                       f"layer {earlier[0]}'s: a tied layer (TiedLayerSpec), whose key no file of a ZeRO-0 checkpoint "
+                       "records")
+                if why not in refusals:
+                    refusals.append(why)
+            note = ("no file names the parameters of a stage (ZeRO-0); its optimizer entries were matched to the "
+                    "layer files by shape, in order")
+            if note not in notes:
+                notes.append(note)
         modules[s] = mod
         if names is not None:
             missing = [n for n in names if n not in mod and n not in (models[s].get("buffer_names") or [])]
             missing += [b for b in models[s].get("buffer_names") or [] if b not in mod]
             if missing:
-                problems.append(f"stage {s}: no layer file holds {', '.join(missing[:4])}"
+                layer = _layer_of(missing[0])
+                file = fnames.layer_states_name(layer, tp if tensor_axis else None) if layer is not None else "a layer file"
+                problems.append(f"stage {s}, {where}no layer file holds {', '.join(missing[:4])}"
                                 + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
-                                + f" (layer_{_layer_of(missing[0])}-model_states.pt is missing)")
+                                + f" ({file} is missing)")
     claimed = {n for mod in modules.values() for n in mod}
     for idx, _, info in layers:
         if not set(entries[idx]) & claimed:
@@ -135,9 +168,9 @@ def stage_modules(fs: OpenedFiles, models: dict, optims: dict, problems: list) -
     return modules, notes
 
 
-def _layer_of(name: str) -> str:
+def _layer_of(name: str) -> Optional[int]:
     head = name.split(".", 1)[0]
-    return f"{int(head):02d}" if head.isdigit() else "??"
+    return int(head) if head.isdigit() else None
 
 
 def _match_by_shapes(model: dict, entries: dict, tie_of: dict, tied_entries: dict, start: int):
@@ -164,19 +197,21 @@ def _match_by_shapes(model: dict, entries: dict, tie_of: dict, tied_entries: dic
             if n not in buffers and n.split(".", 1)[0].isdigit():
                 candidates.append((n, h))
                 layer_of[n] = idx
-    taken, end = set(), start
+    taken, end, unmatched = set(), start, []
     for shape in shapes:
         for n, h in candidates:
             if n not in taken and tuple(h.shape) == shape:
                 taken.add(n)
                 end = max(end, layer_of.get(n, -1) + 1)
                 break
+        else:
+            unmatched.append(shape)
     mod = collections.OrderedDict((n, h) for n, h in tied_entries.items() if n in taken)
     for idx, ent in entries.items():
         if idx in tie_of or not (start <= idx < end):
             continue
         mod.update(ent)
-    return mod, end
+    return mod, end, unmatched
 
 
-__all__ = ["is_pipeline", "stage_modules"]
+__all__ = ["is_pipeline", "stage_modules", "layer_tp_ranks", "has_tensor_axis"]

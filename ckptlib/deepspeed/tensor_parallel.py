@@ -29,6 +29,7 @@ from .records import BufferInfo, ParameterInfo
 REPLICATED_KEY = "tp_replicated_parameter_patterns"
 ROW_KEY = "parameter_with_row_parallelism_patterns"
 VOCAB_KEY = "vocabulary_parameter_patterns"
+PIPELINE_KEY = "pipeline_replicated_parameter_patterns"
 #: keys whose patterns describe layouts ckptlib does not join (fused sub-parameters, averaged tensors)
 UNSUPPORTED_KEYS = ("parameter_with_2_sub_params_cat_dim_0", "parameter_with_sub_params", "parameter_to_average_patterns")
 RULES_HINT = ("pass --tp-rules FILE (tp_rules= in Python): a JSON object with the keys of DeepSpeed's "
@@ -46,6 +47,7 @@ class SplitRules:
     row: tuple = ()
     vocabulary: tuple = ()
     original_vocab_size: Optional[int] = None
+    pipeline_replicated: tuple = ()  # a pipeline's tied weights, held by several stages (names, as patterns)
     affine: dict = field(default_factory=dict)      # pattern -> affine_map entry
     unsupported: dict = field(default_factory=dict)  # key -> patterns
     origin: str = ""
@@ -67,6 +69,7 @@ class SplitRules:
         params = affine.get("params", {}) if isinstance(affine, dict) else {}
         vocab = info.get("original_vocab_size")
         return cls(replicated=patterns(REPLICATED_KEY), row=patterns(ROW_KEY), vocabulary=patterns(VOCAB_KEY),
+                   pipeline_replicated=patterns(PIPELINE_KEY),
                    original_vocab_size=int(vocab) if isinstance(vocab, (int, float)) else None,
                    affine=dict(params) if isinstance(params, dict) else {},
                    unsupported={k: patterns(k) for k in UNSUPPORTED_KEYS if info.get(k)}, origin=origin)
@@ -108,8 +111,8 @@ def _affine_blocks(entry: dict, name: str, sets: dict) -> tuple[tuple, list[Bloc
             if key in seen:
                 continue
             locs = [int(x) for x in piece.get("locations", [t])]
-            replicas = tuple((loc, name) for loc in locs if loc != t and loc in sets)
-            seen[key] = Block((t, name), tuple(piece["shape"]), key[0], key[1], int(piece["dest"][0]),
+            replicas = tuple((sets[loc].mp, name) for loc in locs if loc != t and loc in sets)
+            seen[key] = Block((sets[t].mp, name), tuple(piece["shape"]), key[0], key[1], int(piece["dest"][0]),
                               tuple(piece["dest"][1]), replicas)
             if piece.get("scale", 1.0) not in (1, 1.0):
                 raise UnsupportedCheckpointError(f"the affine map scales a piece of {name}; ckptlib only places "
@@ -118,7 +121,8 @@ def _affine_blocks(entry: dict, name: str, sets: dict) -> tuple[tuple, list[Bloc
 
 
 def tensor_parallel_view(sets: dict, rules: SplitRules) -> ModelView:
-    """The full model of a tensor-parallel checkpoint whose ZeRO sets are ``sets`` (tensor rank -> set)."""
+    """The full model of the tensor ranks ``sets`` (tensor rank -> ZeRO set; a whole tensor-parallel
+    checkpoint, or one pipeline stage of a 3D one): blocks whose sources are ``(set.mp, name)``."""
     first = sets[min(sets)]
     tps = sorted(sets)
     params, blocks, notes, roles = [], {}, [], {}
@@ -148,8 +152,9 @@ def tensor_parallel_view(sets: dict, rules: SplitRules) -> ModelView:
     if rules.original_vocab_size is not None and rules.vocabulary:
         notes.append(f"vocabulary tensors cut to the original {rules.original_vocab_size} rows ({rules.origin})")
     notes.append(f"{len(tps)} tensor ranks joined by the rules of {rules.origin}")
+    by_mp = {zs.mp: zs for zs in sets.values()}
     return ModelView(parameters=params, buffers=buffers, order=first.state_dict_names(), blocks=blocks,
-                     resolve=lambda source, key: sets[source[0]].sources(source[1], key), kind="tensor_parallel",
+                     resolve=lambda source, key: by_mp[source[0]].sources(source[1], key), kind="tensor_parallel",
                      notes=notes, roles=roles)
 
 
@@ -158,7 +163,7 @@ def _join(name: str, sets: dict, tps: list, rules: SplitRules, first, buffer: bo
     try:
         if entry is not None:
             return _affine_blocks(entry, name, sets)
-        shards = [((t, name), _local_shape(sets[t], name, buffer)) for t in tps]
+        shards = [((sets[t].mp, name), _local_shape(sets[t], name, buffer)) for t in tps]
         rule = rules.rule(name)
         if buffer and rule == COLUMN and len({s for _, s in shards}) == 1:
             rule = REPLICATED  # a buffer no pattern names, the same shape everywhere: one value, on every rank

@@ -272,8 +272,8 @@ def _model_state_files(ck: Checkpoint, utag: str) -> list:
             continue
         where = [f.dp_rank] if f.dp_rank is not None else []
         if f.kind == fnames.MODEL_STATES and len(ck.sets) > 1:
-            obj = ck.set_of(Rank(tp=f.mp_rank or 0, pp=f.mp_rank or 0)).model_states_file(
-                Rank(dp=f.dp_rank or 0, tp=f.mp_rank or 0, pp=f.mp_rank or 0)).obj
+            zs = ck.sets[f.mp_rank or 0]
+            obj = zs.model_states_file(zs.rank(f.dp_rank or 0)).obj
             if "universal_checkpoint_info" not in obj:
                 info = {"universal_checkpoint_version": 0.2}
                 rules = ck.tp_rules
@@ -281,6 +281,7 @@ def _model_state_files(ck: Checkpoint, utag: str) -> list:
                     info.update({"tp_replicated_parameter_patterns": list(rules.replicated),
                                  "parameter_with_row_parallelism_patterns": list(rules.row),
                                  "vocabulary_parameter_patterns": list(rules.vocabulary),
+                                 "pipeline_replicated_parameter_patterns": list(rules.pipeline_replicated),
                                  **({"original_vocab_size": rules.original_vocab_size}
                                     if rules.original_vocab_size is not None else {})})
                 out.append(tree_file(f"{utag}/{f.path.name}", "model_states",

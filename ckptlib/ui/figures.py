@@ -184,9 +184,8 @@ def table_html(rows: list[dict], cls: str = "ckpt-table") -> str:
 # ============================================================================================ layout
 def set_label(ckpt: "ckptlib.Checkpoint", mp: int) -> str:
     """"stage 1 · ", "tensor rank 1 · " or "" (one ZeRO set): how a panel names its set."""
-    if len(ckpt.sets) == 1:
-        return ""
-    return f"{'stage' if ckpt.kind == 'pipeline' else 'tensor rank'} {mp} · "
+    label = ckpt.set_label(mp)
+    return f"{label} · " if label else ""
 
 
 def layout_panels(ckpt: "ckptlib.Checkpoint") -> list[dict]:
