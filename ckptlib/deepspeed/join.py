@@ -182,7 +182,7 @@ def pipeline_view(stage_views: dict, sets: dict, tp: int, problems: list) -> Mod
     """The full model of a pipeline from its stages' models: each parameter and buffer under its global name,
     in the stages' order; a tensor held by several stages (a tied layer's weight) is read from the first and
     its other copies become replicas of it (compared whenever it is read)."""
-    params, blocks, order, buffers, roles = [], {}, [], [], {}
+    params, blocks, order, buffers, roles, padded = [], {}, [], [], {}, {}
     holders: dict = {}
     for s, v in stage_views.items():
         order += [n for n in v.order if n not in blocks and n not in order]
@@ -197,10 +197,14 @@ def pipeline_view(stage_views: dict, sets: dict, tp: int, problems: list) -> Mod
             blocks[p.name] = list(v.blocks[p.name])
             if p.name in v.roles:
                 roles[p.name] = v.roles[p.name]
+            if p.name in v.padded:
+                padded[p.name] = v.padded[p.name]
         for b in v.buffers:
             if b.name not in blocks:
                 buffers.append(b)
                 blocks[b.name] = list(v.blocks[b.name])
+                if b.name in v.roles:
+                    roles[b.name] = v.roles[b.name]
     rank = {n: i for i, n in enumerate(order)}
     params.sort(key=lambda p: rank.get(p.name, len(rank)))
     shared = {n: ss for n, ss in holders.items() if len(ss) > 1}
@@ -210,7 +214,7 @@ def pipeline_view(stage_views: dict, sets: dict, tp: int, problems: list) -> Mod
     for v in stage_views.values():
         notes += v.notes
     return ModelView(params, buffers, order, blocks, lambda source, key: sets[source[0]].sources(source[1], key),
-                     PIPELINE, list(dict.fromkeys(notes)), roles=roles)
+                     PIPELINE, list(dict.fromkeys(notes)), roles=roles, padded=padded)
 
 
 def _with_replicas(name: str, first: list, later: list, stage: int, problems: list) -> list:

@@ -43,6 +43,7 @@ class ModelView:
     notes: list = field(default_factory=list)
     roles: dict = field(default_factory=dict)  # tensor parallel: name -> "replicated"/"column"/"row"/"vocabulary"/"affine"
     set_labels: dict = field(default_factory=dict)  # mp rank -> how the user knows that set ("stage 1, tensor rank 0")
+    padded: dict = field(default_factory=dict)  # vocabulary tensors: name -> (shape, blocks) with the padding rows
 
     _params: NameIndex = field(default_factory=NameIndex, init=False, repr=False, compare=False)
     _buffers: NameIndex = field(default_factory=NameIndex, init=False, repr=False, compare=False)
@@ -68,11 +69,21 @@ class ModelView:
             return self._owner(p.tied_to)
         return p.name, tuple(p.shape)
 
-    def sources(self, name: str, key: Optional[str] = None) -> list:
+    def full_shape(self, name: str, padded: bool = False) -> tuple:
+        """The full tensor's shape; ``padded``: with a padded vocabulary's padding rows (see :meth:`sources`)."""
+        owner, shape = self._owner(name)
+        return tuple(self.padded[owner][0]) if padded and owner in self.padded else shape
+
+    def sources(self, name: str, key: Optional[str] = None, padded: bool = False) -> list:
         """The stored ranges that, concatenated, give the full tensor ``name`` flattened (``key``: an
-        optimizer state, None for the weight). Metadata only."""
+        optimizer state, :data:`~ckptlib.deepspeed.zeroset.MODULE` for the stored 16-bit module weight, None
+        for the fp32 master or the buffer). A tensor-parallel vocabulary comes without its padding rows
+        (what the model's vocabulary is); ``padded``: with them (what the ranks store). Metadata only."""
         owner, shape = self._owner(name)
         blocks = self.blocks[owner]
+        if padded and owner in self.padded:
+            shape, blocks = self.padded[owner]
+            shape = tuple(shape)
         numel = 1
         for s in shape:
             numel *= s

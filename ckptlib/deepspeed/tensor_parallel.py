@@ -125,7 +125,7 @@ def tensor_parallel_view(sets: dict, rules: SplitRules) -> ModelView:
     checkpoint, or one pipeline stage of a 3D one): blocks whose sources are ``(set.mp, name)``."""
     first = sets[min(sets)]
     tps = sorted(sets)
-    params, blocks, notes, roles = [], {}, [], {}
+    params, blocks, notes, roles, padded = [], {}, [], {}, {}
     for p in first.parameters:
         if p.tied_to:
             params.append(ParameterInfo(p.name, (), p.trainable, p.tied_to, p.group, p.stored_dtype))
@@ -137,6 +137,8 @@ def tensor_parallel_view(sets: dict, rules: SplitRules) -> ModelView:
                 "are not joined by ckptlib yet", path=first.location.tag_dir)
         shape, bl = _join(p.name, sets, tps, rules, first)
         roles[p.name] = "affine" if rules.affine_entry(p.name) is not None else rules.rule(p.name)
+        if roles[p.name] == VOCABULARY and rules.original_vocab_size is not None:
+            padded[p.name] = _join(p.name, sets, tps, rules, first, cut=False)
         params.append(ParameterInfo(p.name, shape, p.trainable, None, p.group, p.stored_dtype))
         blocks[p.name] = bl
     by_name = {p.name: p for p in params}
@@ -149,16 +151,18 @@ def tensor_parallel_view(sets: dict, rules: SplitRules) -> ModelView:
         shape, bl = _join(b.name, sets, tps, rules, first, buffer=True)
         buffers.append(BufferInfo(b.name, shape, b.dtype))
         blocks[b.name] = bl
+        roles[b.name] = ("affine" if rules.affine_entry(b.name) is not None else
+                         REPLICATED if len(bl) == 1 and bl[0].replicas or len(tps) == 1 else rules.rule(b.name))
     if rules.original_vocab_size is not None and rules.vocabulary:
         notes.append(f"vocabulary tensors cut to the original {rules.original_vocab_size} rows ({rules.origin})")
     notes.append(f"{len(tps)} tensor ranks joined by the rules of {rules.origin}")
     by_mp = {zs.mp: zs for zs in sets.values()}
     return ModelView(parameters=params, buffers=buffers, order=first.state_dict_names(), blocks=blocks,
                      resolve=lambda source, key: by_mp[source[0]].sources(source[1], key), kind="tensor_parallel",
-                     notes=notes, roles=roles)
+                     notes=notes, roles=roles, padded=padded)
 
 
-def _join(name: str, sets: dict, tps: list, rules: SplitRules, first, buffer: bool = False):
+def _join(name: str, sets: dict, tps: list, rules: SplitRules, first, buffer: bool = False, cut: bool = True):
     entry = rules.affine_entry(name)
     try:
         if entry is not None:
@@ -167,7 +171,7 @@ def _join(name: str, sets: dict, tps: list, rules: SplitRules, first, buffer: bo
         rule = rules.rule(name)
         if buffer and rule == COLUMN and len({s for _, s in shards}) == 1:
             rule = REPLICATED  # a buffer no pattern names, the same shape everywhere: one value, on every rank
-        return blocks_from_rule(rule, shards, rules.original_vocab_size if rule == VOCABULARY else None)
+        return blocks_from_rule(rule, shards, rules.original_vocab_size if rule == VOCABULARY and cut else None)
     except (KeyError, ValueError) as e:
         raise UnsupportedCheckpointError(f"the tensor-parallel shards of {name} cannot be joined: {e}",
                                          path=first.location.tag_dir,

@@ -24,6 +24,10 @@ from .records import NO_ZERO, BufferInfo, NameIndex, ParameterInfo, Records
 from .releases import written_by
 
 
+#: the ``key`` of :meth:`ZeroSet.sources` that asks for a parameter's stored 16-bit (module) value
+MODULE = "<module>"
+
+
 class ZeroSet:
     """The ZeRO set of model-parallel rank ``mp`` (see the module docstring).
 
@@ -165,6 +169,11 @@ class ZeroSet:
         p = self.param(name)
         if p.tied_to:
             return self.sources(p.tied_to, key)
+        if key == MODULE:
+            t = self.module_tensor(name)
+            if t.numel != p.numel:
+                raise KeyError(f"the module holds no value of {name} (a {tuple(t.shape)} placeholder: ZeRO-3)")
+            return t.ranges()
         if not p.trainable:
             if key is not None:
                 raise KeyError(f"parameter {name} is frozen and has no optimizer state")
@@ -257,4 +266,4 @@ class ZeroSet:
                 f"params={len(self.parameters)})")
 
 
-__all__ = ["ZeroSet"]
+__all__ = ["ZeroSet", "MODULE"]

@@ -145,5 +145,34 @@ def blocks_from_rule(rule: str, shards: Sequence[tuple[Hashable, tuple]],
     return full, blocks
 
 
+def even_sizes(extent: int, parts: int) -> Optional[list[int]]:
+    """``parts`` equal extents that make ``extent`` (None when ``parts`` does not divide it)."""
+    if parts < 1 or extent % parts:
+        return None
+    return [extent // parts] * parts
+
+
+def shard_runs(full_shape: Sequence[int], dim: Optional[int], sizes: Sequence[int], index: int
+               ) -> tuple[tuple, list[tuple[int, int]]]:
+    """``(local shape, runs)`` of shard ``index`` of a tensor of ``full_shape`` cut along ``dim`` into
+    pieces of ``sizes`` (``dim`` None: the whole tensor, a replica): the runs are ``(start, count)`` of
+    consecutive elements of the full tensor, flattened row-major, that make the shard flattened row-major."""
+    full = tuple(int(x) for x in full_shape)
+    numel = math.prod(full)
+    if dim is None:
+        return full, [(0, numel)] if numel else []
+    if not 0 <= dim < len(full) or sum(sizes) != full[dim] or not 0 <= index < len(sizes):
+        raise ValueError(f"cannot cut a {list(full)} tensor along dim {dim} into {list(sizes)}")
+    outer, inner = math.prod(full[:dim]), math.prod(full[dim + 1:])
+    first, size = sum(sizes[:index]), sizes[index]
+    local = full[:dim] + (size,) + full[dim + 1:]
+    if size == 0 or inner == 0:
+        return local, []
+    if outer == 1 or size == full[dim]:
+        return local, [(first * inner, outer * size * inner)]
+    step = full[dim] * inner
+    return local, [(o * step + first * inner, size * inner) for o in range(outer)]
+
+
 __all__ = ["Block", "Run", "runs", "blocks_from_rule", "row_major_strides", "REPLICATED", "COLUMN", "ROW",
-           "VOCABULARY"]
+           "VOCABULARY", "even_sizes", "shard_runs"]

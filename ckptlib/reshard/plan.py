@@ -9,10 +9,12 @@ from typing import ClassVar, Optional, Union
 from ..deepspeed import NO_ZERO, Checkpoint, open_checkpoint
 from ..deepspeed import files as fnames
 from ..errors import CkptError, UnsupportedCheckpointError
+from ..mesh import Mesh
 from ..io.streaming import DEFAULT_CHUNK_BYTES
 from ..plan import CopyFile, Plan, TextFile
 from ..system.gcpause import gc_paused
 from ..units import human_bytes
+from .mesh_plan import plan_mesh_files
 from .trees import TreeFiles, batch_note, client_files, converter_scripts
 from .zero3 import Zero3Resharder
 from .zero12 import Zero12Resharder
@@ -30,6 +32,8 @@ class ReshardPlan(Plan):
 
     action: ClassVar[str] = "reshard"
     world_size: int
+    from_mesh: Optional[Mesh] = None   # the source's and the target's sizes when tp or pp change
+    to_mesh: Optional[Mesh] = None
 
     def feeds(self) -> dict:
         """``{target rank: [source ranks whose bytes it reads]}``."""
@@ -45,15 +49,22 @@ class ReshardPlan(Plan):
             "feeds": {str(k): v for k, v in self.feeds().items()},
             "read_bytes": self.read_bytes, "write_bytes": self.write_bytes, "file_bytes": self.file_bytes,
             "predicted_peak_bytes": self.predicted_peak_bytes, "sync": self.sync, "notes": list(self.notes),
+            **({"from_mesh": vars(self.from_mesh), "to_mesh": vars(self.to_mesh)} if self.to_mesh else {}),
         }
 
     def describe(self) -> str:
         src = self.source
-        lines = [f"reshard {src.tag_dir}", f"     -> {self.out}/{src.tag}",
-                 f"ZeRO {src.zero_stage} ({src.flavor}), {src.dtype}: {src.partition_count} -> {self.world_size} "
-                 "data-parallel ranks", *self.summary_lines(), "no temporary files", "target rank <- source ranks:"]
-        for r, ranks in self.feeds().items():
-            lines.append(f"  {r:>4} <- {', '.join(map(str, ranks))}")
+        lines = [f"reshard {src.tag_dir}", f"     -> {self.out}/{src.tag}"]
+        if self.to_mesh is not None:
+            a, b = self.from_mesh, self.to_mesh
+            lines += [f"ZeRO {src.zero_stage} ({src.flavor}), {src.dtype}: mesh pp={a.pp} tp={a.tp} dp={a.dp} -> "
+                      f"pp={b.pp} tp={b.tp} dp={b.dp} ({b.pp * b.tp * b.dp} ranks)", *self.summary_lines(),
+                      "no temporary files"]
+        else:
+            lines += [f"ZeRO {src.zero_stage} ({src.flavor}), {src.dtype}: {src.partition_count} -> {self.world_size} "
+                      "data-parallel ranks", *self.summary_lines(), "no temporary files", "target rank <- source ranks:"]
+            for r, ranks in self.feeds().items():
+                lines.append(f"  {r:>4} <- {', '.join(map(str, ranks))}")
         width = max(len(f.name) for f in self.files)
         for f in self.files:
             lines.append(f"  {f.name:<{width}} {human_bytes(f.size):>10}")
@@ -62,14 +73,21 @@ class ReshardPlan(Plan):
 
 
 @gc_paused
-def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str, os.PathLike], world_size: int, *,
-                 tag: Optional[str] = None, overwrite: bool = False,
+def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str, os.PathLike],
+                 world_size: Optional[int] = None, *, tp: Optional[int] = None, pp: Optional[int] = None,
+                 ep: Optional[int] = None, pp_partition: Optional[str] = None, pp_layers: Optional[int] = None,
+                 pp_tied: Optional[dict] = None, tag: Optional[str] = None, overwrite: bool = False,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, workers: Optional[int] = None, tp_rules=None,
                  hf_files: bool = True, sync: bool = True) -> ReshardPlan:
-    """Plan rewriting a ZeRO-1/2/3 checkpoint for ``world_size`` data-parallel ranks (metadata only).
+    """Plan rewriting a ZeRO-1/2/3 checkpoint for ``world_size`` data-parallel ranks (metadata only), and
+    for ``tp`` tensor-parallel ranks and ``pp`` pipeline stages (unnamed sizes are kept).
 
-    A pipeline or tensor-parallel checkpoint keeps its stages and tensor ranks: each one's ZeRO set is
-    re-sliced for the new data-parallel size, its layer files are copied.
+    Keeping stages and tensor ranks, each one's ZeRO set is re-sliced for the new data-parallel size and the
+    layer files are copied. Changing ``tp`` or ``pp`` (:mod:`ckptlib.reshard.mesh_plan`) writes every file of
+    the new mesh from the full model: tensors cut again by the split rules (the source's, or ``tp_rules``),
+    layers spread over the new stages as the ``PipelineModule`` would (``pp_partition``: ``"uniform"``,
+    ``"parameters"`` or the boundaries ``"0,4,7"``; ``pp_layers``: the number of layer specs; ``pp_tied``:
+    ``{tie key: [every layer using it]}``, for what the checkpoint does not show).
 
     The target holds, for every target rank, the fp32 partition and every per-element optimizer state
     re-sliced with the new padding, with ``group_paddings``, ``partition_count``, ``param_slice_mappings``
@@ -90,8 +108,21 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
     """
     ck = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, tag=tag, tp_rules=tp_rules)
     ck.check_readable()
-    if world_size < 1:
-        raise CkptError("the target world size must be at least 1")
+    world_size = ck.mesh.dp if world_size is None else world_size
+    for what, size in (("data-parallel", world_size), ("tensor-parallel", tp), ("pipeline", pp), ("expert-parallel", ep)):
+        if size is not None and size < 1:
+            raise CkptError(f"the target {what} size must be at least 1")
+    mesh = Mesh(dp=world_size, tp=tp or ck.mesh.tp, pp=pp or ck.mesh.pp, ep=ep or ck.mesh.ep)
+    if mesh.ep != ck.mesh.ep:
+        raise UnsupportedCheckpointError("changing the expert-parallel size is not supported yet",
+                                         path=ck.location.tag_dir)
+    if (mesh.tp, mesh.pp) != (ck.mesh.tp, ck.mesh.pp):
+        files, notes, checks, folders = plan_mesh_files(ck, mesh, tp_rules=ck.tp_rules, pp_partition=pp_partition,
+                                                        pp_layers=pp_layers, pp_tied=pp_tied, hf_files=hf_files)
+        return ReshardPlan(source=ck.source_ref(), out=Path(out).expanduser().resolve(), world_size=world_size,
+                           files=files, finals=[TextFile("latest", ck.location.tag, kind="latest")], folders=folders,
+                           chunk_bytes=chunk_bytes, overwrite=overwrite, sync=sync, notes=notes, checks=checks,
+                           workers=workers or default_workers(), from_mesh=ck.mesh, to_mesh=mesh)
     refuse_unsupported(ck)
     tag_name = ck.location.tag
     files: list = []

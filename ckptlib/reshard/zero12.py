@@ -13,7 +13,73 @@ from ..layout.flat import FlatGroupLayout, Piece, reslice_by_params, reslice_fla
 from .trees import optim_prefix, replace, streamed, to_ranges
 
 
-class Zero12Resharder:
+class Zero12Writer:
+    """The optimizer-states files of one ZeRO-1/2 (or BF16_Optimizer) set at ``world_size`` data-parallel
+    ranks, whose flat groups are ``dst``, made from the file tree of ``template``'s data rank 0 (a source
+    set: its keys, hyper-parameters and scalars carried over). Subclasses say where each target partition's
+    bytes come from (:meth:`partition_ranges`, :meth:`feeds`); ``mp`` is the target's model-parallel rank
+    (its file names)."""
+
+    def __init__(self, template: ZeroSet, dst: list, world_size: int, mp: int):
+        self.template, self.dst, self.m, self.mp = template, dst, world_size, mp
+        self.bf16 = template.flavor == BF16_OPTIMIZER
+        self._optim0 = template.optim_states_file(template.rank(0)).obj  # every target optimizer file is made from it
+        self._prefix = optim_prefix(template)
+        self._template_sizes = [lay.partition_size for lay in template.layouts]
+
+    def partition_ranges(self, g: int, rank: int, padded: bool, key) -> list:
+        """The stored ranges (and zeros) of target ``rank``'s partition of group ``g`` for state ``key``
+        (None: the fp32 master); ``padded``: to the full partition size (else lean, as DeepSpeedZeroOptimizer
+        saves the last rank's fp32 partition)."""
+        raise NotImplementedError
+
+    def feeds(self, rank: int) -> list:
+        """What target ``rank`` reads (source ranks, for the plan's table)."""
+        raise NotImplementedError
+
+    def group_paddings(self, layouts: list[FlatGroupLayout], rank: int, world: int) -> list[int]:
+        if self.bf16:  # BF16_Optimizer records all padding on the last rank
+            return [(lay.padded_total - lay.total) if rank == world - 1 else 0 for lay in layouts]
+        return [lay.tail_padding(rank) for lay in layouts]
+
+    def optim_states(self, rank: int) -> tuple[str, Any]:
+        """``(file name, object tree)`` of target ``rank``'s optimizer-states file."""
+        m = self.m
+        top = self._optim0
+        osd0 = top["optimizer_state_dict"]
+        fp32 = []
+        for g in range(len(self.dst)):
+            rg = self.template.partition_tensor(self.template.rank(0), g).requires_grad
+            fp32.append(streamed("float32", self.partition_ranges(g, rank, self.bf16, None), requires_grad=rg))
+        base = osd0["base_optimizer_state"]
+        state = type(base["state"])()
+        for g, st in base["state"].items():
+            new = type(st)()
+            for key, v in st.items():
+                if isinstance(v, TensorHandle) and v.numel == self._template_sizes[g] and v.numel > 1:
+                    new[key] = streamed(v.dtype_name, self.partition_ranges(g, rank, True, key),
+                                        requires_grad=v.requires_grad)
+                else:
+                    new[key] = v  # step and other scalars: the same on every rank
+            state[g] = new
+        counts = osd0.get("partition_count")
+        mappings = [collections.OrderedDict((n, FragmentAddress(numel=cnt, start=start))
+                                            for n, (start, cnt) in dst.slice_mappings(rank).items()) for dst in self.dst]
+        repl = dict(
+            single_partition_of_fp32_groups=fp32,
+            base_optimizer_state=replace(base, state=state),
+            group_paddings=self.group_paddings(self.dst, rank, m),
+            partition_count=[m] * len(counts) if isinstance(counts, (list, tuple)) else m,
+        )
+        if "param_slice_mappings" in osd0:
+            repl["param_slice_mappings"] = mappings
+        if isinstance(osd0.get("param_alignment_paddings"), (list, tuple)):  # one entry per parameter of each group
+            repl["param_alignment_paddings"] = [[s.padding_after for s in lay.slots] for lay in self.dst]
+        new_top = replace(top, optimizer_state_dict=replace(osd0, **repl))
+        return fnames.optim_states_name(rank, self.mp, prefix=self._prefix), new_top
+
+
+class Zero12Resharder(Zero12Writer):
     """Target files of one ZeRO-1/2 (or BF16_Optimizer) set (a checkpoint's, or one stage's or tensor
     rank's) at ``world_size`` data-parallel ranks."""
 
@@ -24,11 +90,9 @@ class Zero12Resharder:
         self.notes: list[str] = []
         zcfg = ck.ds_config.get("zero_optimization") or {}
         self.round_robin = bool(zcfg.get("round_robin_gradients")) and not self.bf16
-        self.dst = [self._target_layout(lay, g) for g, lay in enumerate(self.src)]
+        super().__init__(ck, [self._target_layout(lay, g) for g, lay in enumerate(self.src)], world_size, ck.mp)
         self._same_order = [[s.name for s in a.slots] == [s.name for s in b.slots] for a, b in zip(self.src, self.dst)]
         self._check_source()
-        self._optim0 = ck.optim_states_file(ck.rank(0)).obj  # every target optimizer file is made from it
-        self._prefix = optim_prefix(ck)
 
     def _target_layout(self, src: FlatGroupLayout, g: int) -> FlatGroupLayout:
         slots = list(src.slots)
@@ -49,10 +113,8 @@ class Zero12Resharder:
             return reslice_flat(self.src[g], self.dst[g], rank, padded)
         return reslice_by_params(self.src[g], self.dst[g], rank, padded)
 
-    def _group_paddings(self, layouts: list[FlatGroupLayout], rank: int, world: int) -> list[int]:
-        if self.bf16:  # BF16_Optimizer records all padding on the last rank
-            return [(lay.padded_total - lay.total) if rank == world - 1 else 0 for lay in layouts]
-        return [lay.tail_padding(rank) for lay in layouts]
+    def partition_ranges(self, g: int, rank: int, padded: bool, key) -> list:
+        return to_ranges(self.ck, self._reslice(g, rank, padded), key)
 
     def _check_source(self) -> None:
         """The layout arithmetic must reproduce what DeepSpeed recorded in every source file."""
@@ -64,7 +126,7 @@ class Zero12Resharder:
                 raise UnsupportedCheckpointError(
                     "elastic ZeRO-1/2 optimizer state (saved with elastic_checkpoint: true) cannot be resharded yet "
                     f"(written by {ck.written_by()})", path=ck.location.tag_dir)
-            want = self._group_paddings(self.src, r, ck.partition_count)
+            want = self.group_paddings(self.src, r, ck.partition_count)
             if list(osd.get("group_paddings", want)) != want:
                 raise UnsupportedCheckpointError(
                     f"rank {r}: group_paddings {list(osd['group_paddings'])} differ from the layout's {want}; "
@@ -87,41 +149,6 @@ class Zero12Resharder:
                                     for lay in self.dst]
         return {fnames.model_states_name(self.ck.mp): replace(model, **repl)}
 
-    def optim_states(self, rank: int) -> tuple[str, Any]:
-        """``(file name, object tree)`` of target ``rank``'s optimizer-states file."""
-        ck, m = self.ck, self.m
-        top = self._optim0
-        osd0 = top["optimizer_state_dict"]
-        fp32 = []
-        for g in range(len(self.src)):
-            pieces = self._reslice(g, rank, padded=self.bf16)
-            rg = ck.partition_tensor(ck.rank(0), g).requires_grad
-            fp32.append(streamed("float32", to_ranges(ck, pieces, None), requires_grad=rg))
-        base = osd0["base_optimizer_state"]
-        state = type(base["state"])()
-        for g, st in base["state"].items():
-            new = type(st)()
-            for key, v in st.items():
-                if isinstance(v, TensorHandle) and v.numel == self.src[g].partition_size and v.numel > 1:
-                    pieces = self._reslice(g, rank, padded=True)
-                    new[key] = streamed(v.dtype_name, to_ranges(ck, pieces, key), requires_grad=v.requires_grad)
-                else:
-                    new[key] = v  # step and other scalars: the same on every rank
-            state[g] = new
-        counts = osd0.get("partition_count")
-        mappings = [collections.OrderedDict((n, FragmentAddress(numel=cnt, start=start))
-                                            for n, (start, cnt) in dst.slice_mappings(rank).items()) for dst in self.dst]
-        repl = dict(
-            single_partition_of_fp32_groups=fp32,
-            base_optimizer_state=replace(base, state=state),
-            group_paddings=self._group_paddings(self.dst, rank, m),
-            partition_count=[m] * len(counts) if isinstance(counts, (list, tuple)) else m,
-        )
-        if "param_slice_mappings" in osd0:
-            repl["param_slice_mappings"] = mappings
-        new_top = replace(top, optimizer_state_dict=replace(osd0, **repl))
-        return fnames.optim_states_name(rank, ck.mp, prefix=self._prefix), new_top
-
     def feeds(self, rank: int) -> list[int]:
         """The source ranks whose bytes target ``rank`` reads."""
         ranks = set()
@@ -130,4 +157,4 @@ class Zero12Resharder:
         return sorted(ranks)
 
 
-__all__ = ["Zero12Resharder"]
+__all__ = ["Zero12Resharder", "Zero12Writer"]
