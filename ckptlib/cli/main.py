@@ -116,13 +116,22 @@ def _cmd_reshard(args: argparse.Namespace) -> int:
     from ..reshard import plan_reshard, plan_universal
 
     def make_plan():
-        if not args.universal and args.world_size is None:
-            raise CkptError("--world-size is required (or --universal for a size-independent checkpoint)")
+        mesh_given = any(v is not None for v in (args.tp, args.pp, args.ep))
+        if not args.universal and args.world_size is None and not mesh_given:
+            raise CkptError("give the new size: --world-size (data parallel), --tp, --pp or --ep "
+                            "(or --universal for a size-independent checkpoint)")
         if args.universal:
+            if mesh_given or args.world_size is not None:
+                raise CkptError("--universal writes a checkpoint for any size: leave out --world-size, --tp, --pp, --ep")
             return plan_universal(args.path, args.out, tag=args.tag, overwrite=args.overwrite, workers=args.workers,
                                   tp_rules=args.tp_rules, hf_files=args.hf_files, sync=args.sync)
-        return plan_reshard(args.path, args.out, args.world_size, tag=args.tag, overwrite=args.overwrite,
-                            workers=args.workers, tp_rules=args.tp_rules, hf_files=args.hf_files, sync=args.sync)
+        from ..reshard.stages import parse_tied
+
+        return plan_reshard(args.path, args.out, args.world_size, tp=args.tp, pp=args.pp, ep=args.ep,
+                            pp_partition=args.pp_partition, pp_layers=args.pp_layers,
+                            pp_tied=parse_tied(args.pp_tied) if args.pp_tied else None, tag=args.tag,
+                            overwrite=args.overwrite, workers=args.workers, tp_rules=args.tp_rules,
+                            hf_files=args.hf_files, sync=args.sync, gpu_memory=args.gpu_memory)
 
     return _plan_and_run(args, make_plan, "reshard")
 
@@ -172,12 +181,12 @@ NO_SYNC_HELP = ("do not wait for the disk: the output appears as soon as it is w
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ckpt", description="Inspect and convert DeepSpeed ZeRO checkpoints.",
-                                     formatter_class=_Formatter)
+                                     formatter_class=_Formatter, allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"ckpt (ckptlib) {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def add_parser(name: str, **kw):
-        return sub.add_parser(name, formatter_class=_Formatter, **kw)
+        return sub.add_parser(name, formatter_class=_Formatter, allow_abbrev=False, **kw)  # --tp is not --tp-rules
 
     p = add_parser("inspect", help="summarise a checkpoint (metadata only, reads almost nothing)")
     p.add_argument("path", help="save dir (holds 'latest'), tag folder, or HF checkpoint-N / output folder")
@@ -217,10 +226,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print nothing but errors (and a failed verification); the exit code says how it went")
     p.set_defaults(func=_cmd_export)
 
-    p = add_parser("reshard", help="rewrite a ZeRO-1/2/3 checkpoint for another data-parallel size")
+    p = add_parser("reshard", help="rewrite a checkpoint for another data-, tensor- or pipeline-parallel size")
     p.add_argument("path", help="the checkpoint (as for inspect)")
     p.add_argument("out", help="output folder: a DeepSpeed save dir (latest + tag folder) that loads at the new size")
-    p.add_argument("--world-size", type=int, help="the new data-parallel size")
+    p.add_argument("--world-size", "--dp", dest="world_size", type=int,
+                   help="the new data-parallel size (default: kept when --tp or --pp change the mesh)")
+    p.add_argument("--tp", type=int, help="the new tensor-parallel size (default: kept)")
+    p.add_argument("--pp", type=int, help="the new number of pipeline stages (default: kept)")
+    p.add_argument("--ep", type=int, help="the new expert-parallel size (default: kept)")
+    p.add_argument("--pp-partition", metavar="HOW",
+                   help="how the PipelineModule places its layers when the checkpoint does not show it: uniform, "
+                        "parameters, or the stage boundaries B0,B1,...,Bn (n stages; Bn = the number of layer specs)")
+    p.add_argument("--pp-layers", type=int, metavar="N", help="the number of layer specs of the PipelineModule")
+    p.add_argument("--pp-tied", action="append", metavar="KEY:I,J",
+                   help="every layer using the tied module KEY (a TiedLayerSpec use with forward_fn writes no file); "
+                        "repeat for several keys")
+    p.add_argument("--gpu-memory", metavar="SIZE",
+                   help="with --plan: compare each rank's training memory at the new mesh with a GPU of this size, "
+                        "e.g. 80GB")
     p.add_argument("--tag", help="tag to reshard (default: the one 'latest' names)")
     p.add_argument("--tp-rules", metavar="FILE", help=TP_RULES_HELP)
     p.add_argument("--no-hf-files", dest="hf_files", action="store_false",

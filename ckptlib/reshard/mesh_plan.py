@@ -25,7 +25,8 @@ from ..errors import UnsupportedCheckpointError
 from ..layout.ranges import numel
 from ..mesh import Mesh
 from ..plan import CopyFile, RangeCheck, TextFile
-from .mesh_files import (MeshZero12Writer, ShardRanges, layer_file_tree, model_states_tree, stage0_optimizer)
+from .footprint import footprint
+from .mesh_files import MeshZero12Writer, ShardRanges, layer_file_tree, model_states_tree, stage0_optimizer
 from .stages import plan_stages
 from .target import build_target, pipeline_layers, split_of
 from .trees import TreeFiles, batch_note, client_files, converter_scripts
@@ -81,9 +82,9 @@ def _stage_plan(ck: Checkpoint, mesh: Mesh, rules: Optional[SplitRules], partiti
     ties = {}
     plain = {}
     for idx, ents in layers.items():
-        tied = [n for n, _ in ents if n.startswith("tied_modules.")]
-        if tied:
-            ties[tied[0].split(".")[1]] = [n for n, _ in ents]
+        tie_names = [n for n, _ in ents if n.startswith("tied_modules.")]
+        if tie_names:
+            ties[tie_names[0].split(".")[1]] = [n for n, _ in ents]
         else:
             plain[idx] = [n for n, _ in ents]
     tie_layer = {key: next(i for i, e in layers.items() if e[0][0] in names) for key, names in ties.items()}
@@ -113,8 +114,9 @@ def _rules_info(ck: Checkpoint, rules: Optional[SplitRules]) -> Optional[dict]:
 
 def plan_mesh_files(ck: Checkpoint, mesh: Mesh, *, tp_rules: Optional[SplitRules] = None,
                     pp_partition: Optional[str] = None, pp_layers: Optional[int] = None,
-                    pp_tied: Optional[dict] = None, hf_files: bool = True) -> tuple[list, list, list, list]:
-    """``(files, notes, checks, folders)`` of ``ck`` resharded to ``mesh`` (see the module docstring)."""
+                    pp_tied: Optional[dict] = None, hf_files: bool = True) -> tuple[list, list, list, list, list]:
+    """``(files, notes, checks, folders, footprints)`` of ``ck`` resharded to ``mesh`` (see the module docstring;
+    ``footprints``: each target set's training memory per rank, :mod:`ckptlib.reshard.footprint`)."""
     _check_supported(ck, mesh)
     rules = tp_rules if tp_rules is not None else ck.tp_rules
     if ck.mesh.tp == 1 and mesh.tp > 1 and rules is None:
@@ -173,7 +175,10 @@ def plan_mesh_files(ck: Checkpoint, mesh: Mesh, *, tp_rules: Optional[SplitRules
     if checks:
         notes.append(f"{len(checks)} stored copies (tensor-parallel replicas, tied weights on several stages) are "
                      "compared with the copy read before anything is written")
-    return files, notes, checks, [tag]
+    prints = [footprint(sum(t.numel for g in ts.groups for t in g), ck.dtype, ck.zero_stage or 0, mesh.dp,
+                        bf16_optimizer=ck.flavor == BF16_OPTIMIZER, stage=ts.stage, tp=ts.tp)
+              for ts in model.sets.values()]
+    return files, notes, checks, [tag], prints
 
 
 def replica_checks(ck: Checkpoint) -> list:

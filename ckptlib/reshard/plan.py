@@ -2,18 +2,19 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Optional, Union
 
-from ..deepspeed import NO_ZERO, Checkpoint, open_checkpoint
+from ..deepspeed import BF16_OPTIMIZER, NO_ZERO, Checkpoint, open_checkpoint
 from ..deepspeed import files as fnames
 from ..errors import CkptError, UnsupportedCheckpointError
 from ..mesh import Mesh
 from ..io.streaming import DEFAULT_CHUNK_BYTES
 from ..plan import CopyFile, Plan, TextFile
 from ..system.gcpause import gc_paused
-from ..units import human_bytes
+from ..units import human_bytes, parse_size
+from .footprint import footprint
 from .mesh_plan import plan_mesh_files
 from .trees import TreeFiles, batch_note, client_files, converter_scripts
 from .zero3 import Zero3Resharder
@@ -34,6 +35,24 @@ class ReshardPlan(Plan):
     world_size: int
     from_mesh: Optional[Mesh] = None   # the source's and the target's sizes when tp or pp change
     to_mesh: Optional[Mesh] = None
+    footprints: list = field(default_factory=list)  # per target set: RankFootprint (model states per rank)
+    gpu_memory: Optional[int] = None   # what one GPU holds, to compare the footprints with
+
+    def memory_lines(self) -> list[str]:
+        """Each target set's training memory per rank, beside the GPU size given."""
+        if not self.footprints:
+            return []
+        out = ["training memory per rank at the new mesh (model states only: 16-bit weights, gradients, fp32 "
+               "master and Adam moments; activations and buffers come on top):"]
+        for f in self.footprints:
+            fits = ""
+            if self.gpu_memory:
+                share = f.total / self.gpu_memory
+                fits = f"  {share:5.1%} of {human_bytes(self.gpu_memory)}" + ("  DOES NOT FIT" if share > 1 else "")
+            out.append(f"  stage {f.stage} tensor rank {f.tp}: {f.numel:,} parameters; weights "
+                       f"{human_bytes(f.weights)}, gradients {human_bytes(f.gradients)}, optimizer "
+                       f"{human_bytes(f.optimizer)} = {human_bytes(f.total)}{fits}")
+        return out
 
     def feeds(self) -> dict:
         """``{target rank: [source ranks whose bytes it reads]}``."""
@@ -50,6 +69,8 @@ class ReshardPlan(Plan):
             "read_bytes": self.read_bytes, "write_bytes": self.write_bytes, "file_bytes": self.file_bytes,
             "predicted_peak_bytes": self.predicted_peak_bytes, "sync": self.sync, "notes": list(self.notes),
             **({"from_mesh": vars(self.from_mesh), "to_mesh": vars(self.to_mesh)} if self.to_mesh else {}),
+            "training_memory_per_rank": [dict(vars(f), total=f.total) for f in self.footprints],
+            "gpu_memory": self.gpu_memory,
         }
 
     def describe(self) -> str:
@@ -59,12 +80,13 @@ class ReshardPlan(Plan):
             a, b = self.from_mesh, self.to_mesh
             lines += [f"ZeRO {src.zero_stage} ({src.flavor}), {src.dtype}: mesh pp={a.pp} tp={a.tp} dp={a.dp} -> "
                       f"pp={b.pp} tp={b.tp} dp={b.dp} ({b.pp * b.tp * b.dp} ranks)", *self.summary_lines(),
-                      "no temporary files"]
+                      "no temporary files", *self.memory_lines()]
         else:
             lines += [f"ZeRO {src.zero_stage} ({src.flavor}), {src.dtype}: {src.partition_count} -> {self.world_size} "
                       "data-parallel ranks", *self.summary_lines(), "no temporary files", "target rank <- source ranks:"]
             for r, ranks in self.feeds().items():
                 lines.append(f"  {r:>4} <- {', '.join(map(str, ranks))}")
+            lines += self.memory_lines()
         width = max(len(f.name) for f in self.files)
         for f in self.files:
             lines.append(f"  {f.name:<{width}} {human_bytes(f.size):>10}")
@@ -78,7 +100,7 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
                  ep: Optional[int] = None, pp_partition: Optional[str] = None, pp_layers: Optional[int] = None,
                  pp_tied: Optional[dict] = None, tag: Optional[str] = None, overwrite: bool = False,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, workers: Optional[int] = None, tp_rules=None,
-                 hf_files: bool = True, sync: bool = True) -> ReshardPlan:
+                 hf_files: bool = True, sync: bool = True, gpu_memory=None) -> ReshardPlan:
     """Plan rewriting a ZeRO-1/2/3 checkpoint for ``world_size`` data-parallel ranks (metadata only), and
     for ``tp`` tensor-parallel ranks and ``pp`` pipeline stages (unnamed sizes are kept).
 
@@ -103,6 +125,8 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
 
     ``sync``: put the output on disk before it appears under its name (default); False leaves the
     writing to the kernel after the run (as DeepSpeed's own saving does; see :class:`~ckptlib.plan.Plan`).
+    ``gpu_memory`` (bytes, or ``"80GB"``): the plan compares each rank's training memory at the new mesh
+    (model states, :mod:`ckptlib.reshard.footprint`) with it.
 
     Memory: the plan (object trees whose tensors are range lists, not read yet).
     """
@@ -116,13 +140,16 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
     if mesh.ep != ck.mesh.ep:
         raise UnsupportedCheckpointError("changing the expert-parallel size is not supported yet",
                                          path=ck.location.tag_dir)
+    gpu = parse_size(gpu_memory) if isinstance(gpu_memory, str) else gpu_memory
     if (mesh.tp, mesh.pp) != (ck.mesh.tp, ck.mesh.pp):
-        files, notes, checks, folders = plan_mesh_files(ck, mesh, tp_rules=ck.tp_rules, pp_partition=pp_partition,
-                                                        pp_layers=pp_layers, pp_tied=pp_tied, hf_files=hf_files)
+        files, notes, checks, folders, prints = plan_mesh_files(
+            ck, mesh, tp_rules=ck.tp_rules, pp_partition=pp_partition, pp_layers=pp_layers, pp_tied=pp_tied,
+            hf_files=hf_files)
         return ReshardPlan(source=ck.source_ref(), out=Path(out).expanduser().resolve(), world_size=world_size,
                            files=files, finals=[TextFile("latest", ck.location.tag, kind="latest")], folders=folders,
                            chunk_bytes=chunk_bytes, overwrite=overwrite, sync=sync, notes=notes, checks=checks,
-                           workers=workers or default_workers(), from_mesh=ck.mesh, to_mesh=mesh)
+                           workers=workers or default_workers(), from_mesh=ck.mesh, to_mesh=mesh, footprints=prints,
+                           gpu_memory=gpu)
     refuse_unsupported(ck)
     tag_name = ck.location.tag
     files: list = []
@@ -152,7 +179,10 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
         notes += carried_notes
     note = batch_note(ck, world_size)
     notes += [note] if note else []
-    return ReshardPlan(source=ck.source_ref(), out=Path(out).expanduser().resolve(), world_size=world_size,
+    prints = [footprint(sum(p.numel for p in zs.parameters if p.trainable and not p.tied_to), ck.dtype,
+                        ck.zero_stage or 0, world_size, bf16_optimizer=ck.flavor == BF16_OPTIMIZER,
+                        stage=zs.coordinate.pp, tp=zs.coordinate.tp) for zs in ck.sets.values()]
+    return ReshardPlan(footprints=prints, gpu_memory=gpu, from_mesh=ck.mesh, source=ck.source_ref(), out=Path(out).expanduser().resolve(), world_size=world_size,
                        files=files, finals=[TextFile("latest", tag_name, kind="latest")], folders=[tag_name],
                        chunk_bytes=chunk_bytes, overwrite=overwrite, sync=sync, notes=notes,
                        workers=workers or default_workers())

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from ..deepspeed import Checkpoint
-from ..errors import UnsupportedCheckpointError
+from ..errors import CkptError, UnsupportedCheckpointError
 from ..layout.stages import PARAMETERS, UNIFORM, partition_balanced, partition_uniform, stage_of, validate_parts
 
 LAYER_SLACK = 4          # layer counts tried past the last layer file
@@ -71,7 +71,7 @@ def parse_partition(text: Optional[str]) -> tuple[Optional[str], Optional[list]]
     try:
         return None, [int(x) for x in t.split(",")]
     except ValueError:
-        raise ValueError(f"--pp-partition {text!r}: give uniform, parameters or the stage boundaries, e.g. 0,4,7")
+        raise CkptError(f"--pp-partition {text!r}: give uniform, parameters or the stage boundaries, e.g. 0,4,7") from None
 
 
 def parse_tied(items: Sequence[str]) -> dict:
@@ -82,9 +82,9 @@ def parse_tied(items: Sequence[str]) -> dict:
         try:
             out[key.strip()] = sorted({int(x) for x in uses.split(",") if x.strip()})
         except ValueError:
-            raise ValueError(f"--pp-tied {item!r}: give KEY:LAYER,LAYER (e.g. embed:0,6)")
+            raise CkptError(f"--pp-tied {item!r}: give KEY:LAYER,LAYER (e.g. embed:0,6)") from None
         if not key.strip() or not out[key.strip()]:
-            raise ValueError(f"--pp-tied {item!r}: give KEY:LAYER,LAYER (e.g. embed:0,6)")
+            raise CkptError(f"--pp-tied {item!r}: give KEY:LAYER,LAYER (e.g. embed:0,6)")
     return out
 
 
@@ -149,6 +149,9 @@ def plan_stages(ck: Checkpoint, layers: dict, target_pp: int, source_weights: di
     layer files' entries; ``*_weights``: each layer file's trainable parameters at the source's and the
     target's tensor size (``tie_*_weight``: a tied module's, which each of its uses counts)."""
     facts = _Facts(ck, layers)
+    if target_pp > len(facts.layers):
+        _refuse(ck, f"more stages ({target_pp}) than layers with parameters ({len(facts.layers)}): a stage would hold "
+                    "nothing to train", "pick at most as many stages as layers")
     method, explicit = parse_partition(partition)
     tied = dict(tied or {})
     hint = ("say how your PipelineModule places its layers: --pp-partition uniform|parameters|B0,B1,...,Bn (the "
