@@ -13,13 +13,15 @@ import collections
 from typing import Any, Optional
 
 from ..deepspeed import Checkpoint, ZeroSet
+from ..deepspeed import files as fnames
 from ..deepspeed.zeroset import MODULE
 from ..io.torchzip import TensorHandle
 from ..io.torchzip.standins import TorchSize
-from ..layout.flat import FlatGroupLayout
+from ..layout.flat import FlatGroupLayout, Zero3Layout, zero3_sub_groups
 from ..layout.ranges import Zeros, numel, range_starts, slice_ranges
 from .target import TargetModel, TargetSet, TargetTensor
 from .trees import copied, replace, streamed
+from .zero3 import Zero3Writer
 from .zero12 import Zero12Writer
 
 
@@ -92,6 +94,64 @@ class MeshZero12Writer(Zero12Writer):
         return [collections.OrderedDict((t.name, TorchSize(t.shape)) for t in group) for group in self.ts.groups]
 
 
+class MeshZero3Writer(Zero3Writer):
+    """The ZeRO-3 optimizer-states files of target set ``ts``: each optimizer group's parameters cut into
+    sub-groups as DeepSpeed cuts them at ``world_size`` ranks (``sub_group_size``), every parameter's chunk
+    ``[r*c, (r+1)*c)`` of its target shard (``c = ceil(numel / world_size)``) cut from the full tensor."""
+
+    def __init__(self, template: ZeroSet, ts: TargetSet, world_size: int, shards: ShardRanges, sub_group_size: int):
+        subs, group_subs = [], []
+        for group in ts.groups:
+            cut = zero3_sub_groups([t.numel for t in group], world_size, sub_group_size)
+            group_subs.append(list(range(len(subs), len(subs) + len(cut))))
+            subs += [[(group[i].name, group[i].shape) for i in c] for c in cut]
+        super().__init__(template, Zero3Layout.build(subs, world_size), group_subs, world_size, ts.mp)
+        self.ts, self.shards = ts, shards
+        self._by_name = {t.name: t for group in ts.groups for t in group}
+
+    def sub_group_ranges(self, k: int, rank: int, key) -> list:
+        out: list = []
+        for seg in self.dst.segments(rank, k):
+            if seg.is_padding:
+                out.append(Zeros(seg.count))
+            else:
+                out += slice_ranges(self.shards.of(self._by_name[seg.name], key), seg.param_start, seg.count)
+        return out
+
+
+def zero3_model_states(template: dict, ts: TargetSet, model: TargetModel, world_size: int, shards: ShardRanges,
+                       param_shapes: list, info: Optional[dict] = None) -> dict:
+    """``{file name: tree}`` of target set ``ts``'s ZeRO-3 model-states files, one per data rank: the
+    source's tree with the new sizes, ``param_shapes`` and module (parameters as the empty placeholders
+    ZeRO-3 saves, buffers cut from the source's), the tied names on rank 0 only, as DeepSpeed saves them."""
+    placeholder = next((h for h in (template.get("module") or {}).values()
+                        if isinstance(h, TensorHandle) and h.numel == 0), None)
+    module = collections.OrderedDict()
+    for t in ts.module:
+        if t.trainable:
+            module[t.name] = copied(placeholder) if placeholder is not None else streamed("bfloat16", [], shape=(0,))
+        else:
+            module[t.name] = streamed(shards.dtype(t, None), shards.of(t, None), shape=t.shape)
+    repl: dict = {"dp_world_size": world_size, "mp_world_size": model.mesh.pp * model.mesh.tp,
+                  "param_shapes": param_shapes, "module": module}
+    if "checkpoint_parallel_dimensions" in template:
+        repl["checkpoint_parallel_dimensions"] = {"pp_degree": model.mesh.pp, "tp_degree": model.mesh.tp}
+    if "buffer_names" in template:
+        repl["buffer_names"] = ts.buffer_names
+    if info is not None:
+        repl["universal_checkpoint_info"] = info
+    fragments = template.get("frozen_param_fragments")
+    if fragments is not None:
+        repl["frozen_param_fragments"] = type(fragments)()
+    out = {}
+    for r in range(world_size):
+        tree = dict(repl)
+        if r != 0 and isinstance(template.get("shared_params"), dict):
+            tree["shared_params"] = type(template["shared_params"])()
+        out[fnames.model_states_name(ts.mp, dp_rank=r)] = replace(template, **tree)
+    return out
+
+
 def module_tree(ts: TargetSet, shards: ShardRanges, names: Optional[list] = None) -> collections.OrderedDict:
     """``{name or layer key: tensor}`` of the stored 16-bit weights and buffers of ``ts`` (``names``: only
     these tensors, e.g. one layer's; keyed by their layer-file key then)."""
@@ -162,5 +222,5 @@ def model_states_tree(template: dict, ts: TargetSet, model: TargetModel, *, pipe
     return out
 
 
-__all__ = ["ShardRanges", "MeshZero12Writer", "target_layouts", "module_tree", "layer_file_tree", "stage0_optimizer",
+__all__ = ["ShardRanges", "MeshZero12Writer", "MeshZero3Writer", "zero3_model_states", "target_layouts", "module_tree", "layer_file_tree", "stage0_optimizer",
            "model_states_tree"]

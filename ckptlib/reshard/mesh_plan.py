@@ -26,10 +26,11 @@ from ..layout.ranges import numel
 from ..mesh import Mesh
 from ..plan import CopyFile, RangeCheck, TextFile
 from .footprint import footprint
-from .mesh_files import MeshZero12Writer, ShardRanges, layer_file_tree, model_states_tree, stage0_optimizer
+from .mesh_files import (MeshZero3Writer, MeshZero12Writer, ShardRanges, layer_file_tree, model_states_tree,
+                         stage0_optimizer, zero3_model_states)
 from .stages import plan_stages
 from .target import build_target, pipeline_layers, split_of
-from .trees import TreeFiles, batch_note, client_files, converter_scripts
+from .trees import TreeFiles, batch_note, client_files, converter_scripts, sub_group_size
 
 
 def _refuse(ck: Checkpoint, why: str, hint: Optional[str] = None):
@@ -39,7 +40,7 @@ def _refuse(ck: Checkpoint, why: str, hint: Optional[str] = None):
 def _check_supported(ck: Checkpoint, mesh: Mesh) -> None:
     if ck.num_experts:
         _refuse(ck, "changing the tensor or pipeline size of a mixture-of-experts checkpoint is not supported yet")
-    if ck.flavor not in (ZERO, BF16_OPTIMIZER, NO_ZERO) or (ck.flavor == ZERO and ck.zero_stage not in (1, 2)):
+    if ck.flavor not in (ZERO, BF16_OPTIMIZER, NO_ZERO) or (ck.flavor == ZERO and ck.zero_stage not in (1, 2, 3)):
         _refuse(ck, f"changing the tensor or pipeline size of a ZeRO-{ck.zero_stage} checkpoint is not supported yet",
                 hint="`ckpt reshard --world-size N` changes its data-parallel size; `--universal` any size")
     if ck.flavor == NO_ZERO and ck.optimizer is not None and ck.optimizer.wrapper != "torch optimizer":
@@ -53,7 +54,7 @@ def _check_supported(ck: Checkpoint, mesh: Mesh) -> None:
         _refuse(ck, "round_robin_gradients: changing the tensor or pipeline size is not supported with it yet")
     for zs in ck.sets.values():
         for lay in (zs.layouts if ck.flavor != NO_ZERO else []):
-            if any(s.padding_after for s in lay.slots):
+            if any(getattr(s, "padding_after", 0) for s in lay.slots):
                 _refuse(ck, "parameter alignment padding (param_alignment_paddings) is not re-made for another mesh yet")
     if mesh.pp > 1 and ck.kind != PIPELINE:
         _refuse(ck, f"this checkpoint is not a pipeline (no layer files): it cannot be spread over {mesh.pp} stages")
@@ -150,10 +151,16 @@ def plan_mesh_files(ck: Checkpoint, mesh: Mesh, *, tp_rules: Optional[SplitRules
                                      param_shapes=None, optimizer=opt, info=info)
             files.append(trees.make(f"{tag}/{fnames.model_states_name(mp)}", "model_states", tree))
             continue
-        writer = MeshZero12Writer(template_set, ts, mesh.dp, shards)
-        tree = model_states_tree(template_model, ts, model, pipeline=pipeline, dp=mesh.dp, shards=shards,
-                                 param_shapes=writer.param_shapes(), info=info)
-        files.append(trees.make(f"{tag}/{fnames.model_states_name(mp)}", "model_states", tree))
+        if ck.zero_stage == 3:
+            writer = MeshZero3Writer(template_set, ts, mesh.dp, shards, sub_group_size(template_set))
+            for name, tree in zero3_model_states(template_model, ts, model, mesh.dp, shards, writer.param_shapes(),
+                                                 info).items():
+                files.append(trees.make(f"{tag}/{name}", "model_states", tree, fnames.classify(name).dp_rank))
+        else:
+            writer = MeshZero12Writer(template_set, ts, mesh.dp, shards)
+            tree = model_states_tree(template_model, ts, model, pipeline=pipeline, dp=mesh.dp, shards=shards,
+                                     param_shapes=writer.param_shapes(), info=info)
+            files.append(trees.make(f"{tag}/{fnames.model_states_name(mp)}", "model_states", tree))
         for r in range(mesh.dp):
             name, obj = writer.optim_states(r)
             files.append(trees.make(f"{tag}/{name}", "optim_states", obj, r))

@@ -17,6 +17,7 @@ a new stage that would lack a group, a size the new tensor size does not divide,
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
@@ -140,6 +141,16 @@ def _group_signatures(ck: Checkpoint) -> list:
     return first
 
 
+def client_group(ck: Checkpoint, name: str, group: Optional[int]) -> Optional[int]:
+    """The optimizer group (as the user's code built it) of parameter ``name``: its group at ZeRO-1/2, the
+    group whose sub-groups hold it at ZeRO-3 (``group`` is then its sub-group in the set holding it)."""
+    if ck.zero_stage != 3 or group is None:
+        return group
+    zs = ck.sets[ck.view.blocks[name][0].source[0]]
+    groups = zs.optimizer_state_dict(zs.rank(0))["optimizer_state_dict"]["param_groups"]
+    return next((g for g, pg in enumerate(groups) if group in pg["params"]), None)
+
+
 def pipeline_layers(ck: Checkpoint) -> dict:
     """``{layer: [(model name, key in the layer file)]}`` of the source's layer files (tensor rank 0's), in
     file order; a tied layer's entries under ``tied_modules.<key>.*``."""
@@ -178,7 +189,8 @@ def build_target(ck: Checkpoint, mesh: Mesh, rules: Optional[SplitRules], stages
         parts = stages.target_parts
     else:
         layers, parts = {}, None
-        order_per_stage = {0: [n for n in ck.state_dict_names() if n in params or n in buffers]}
+        aliases = {p.name for p in view.parameters if p.tied_to}  # a tied weight's second name (in the module)
+        order_per_stage = {0: [n for n in ck.state_dict_names() if n in params or n in buffers or n in aliases]}
     layer_of = {n: (idx, key) for idx, ents in layers.items() for n, key in ents}
     sets: dict = {}
     for s, names in order_per_stage.items():
@@ -193,12 +205,15 @@ def build_target(ck: Checkpoint, mesh: Mesh, rules: Optional[SplitRules], stages
                 idx, key = layer_of.get(n, (None, None))
                 p = params.get(n)
                 tt = TargetTensor(n, view.full_shape(n, padded=True), dim, sizes, t, trainable=not buffer,
-                                  group=None if buffer else p.group, key=key, layer=idx)
+                                  group=None if buffer or p is None else p.group, key=key, layer=idx)
                 ts.module.append(tt)
+                if p is None and not buffer:
+                    continue  # a tied alias: in the module, its owner's value; never in an optimizer group
                 if not buffer:
-                    if p.group is None or not 0 <= p.group < len(groups):
+                    g = client_group(ck, n, p.group)
+                    if g is None or not 0 <= g < len(groups):
                         _refuse(ck, f"{n}: its optimizer group is not known")
-                    groups[p.group].append(tt)
+                    groups[g].append(dataclasses.replace(tt, group=g))
             empty = [g for g, members in enumerate(groups) if not members]
             if empty:
                 _refuse(ck, f"stage {s} of the new mesh would hold no parameter of optimizer group "

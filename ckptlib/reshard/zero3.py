@@ -15,7 +15,64 @@ from ..layout.ranges import Zeros, range_starts, slice_ranges
 from .trees import copied, optim_prefix, replace, streamed, sub_group_size, to_ranges
 
 
-class Zero3Resharder:
+class Zero3Writer:
+    """The optimizer-states files of one ZeRO-3 set at ``world_size`` data-parallel ranks whose sub-groups are
+    ``dst`` (``dst_group_subs``: each optimizer group's sub-groups), made from the file tree of ``template``'s
+    data rank 0 (a source set). Subclasses say where each target flat tensor's bytes come from
+    (:meth:`sub_group_ranges`); ``mp``: the target's model-parallel rank (its file names)."""
+
+    def __init__(self, template: ZeroSet, dst: Zero3Layout, dst_group_subs: list, world_size: int, mp: int):
+        self.template, self.dst, self.dst_group_subs, self.m, self.mp = template, dst, dst_group_subs, world_size, mp
+        self._optim0 = template.optim_states_file(template.rank(0)).obj  # every target optimizer file is made from it
+        self._prefix = optim_prefix(template)
+        self._template_sizes = template.layouts[0].sub_group_sizes
+
+    def sub_group_ranges(self, k: int, rank: int, key) -> list:
+        """The stored ranges (and zeros) of target ``rank``'s flat tensor of sub-group ``k``, state ``key``
+        (None: the fp32 master)."""
+        raise NotImplementedError
+
+    def saved_state(self, sub_group: int, key: str, placeholder):
+        """The template's state ``key`` of ``sub_group`` as saved (a subclass may find it elsewhere)."""
+        return placeholder
+
+    def param_shapes(self) -> list:
+        return [collections.OrderedDict((s.name, TorchSize(s.shape)) for s in self.dst.sub_group_slots(k))
+                for k in range(len(self.dst.sub_group_sizes))]
+
+    def optim_states(self, rank: int) -> tuple[str, Any]:
+        """``(file name, object tree)`` of target ``rank``'s optimizer-states file."""
+        t, m = self.template, self.m
+        top = self._optim0
+        osd0 = top["optimizer_state_dict"]
+        inner = osd0["optimizer_state_dict"]
+        rg = t.partition_tensor(t.rank(0), 0).requires_grad
+        flats = [streamed("float32", self.sub_group_ranges(k, rank, None), requires_grad=rg)
+                 for k in range(len(self.dst.sub_group_sizes))]
+        state = type(inner["state"])()
+        groups = []
+        for g, group in enumerate(inner["param_groups"]):
+            first_src = group["params"][0]
+            template = inner["state"].get(first_src, {})
+            for k in self.dst_group_subs[g]:
+                new = type(template)()
+                for key, v in template.items():
+                    v = self.saved_state(first_src, key, v)
+                    if isinstance(v, (TensorHandle, RawTensor)) and v.numel == self._template_sizes[first_src] \
+                            and v.numel > 1:
+                        new[key] = streamed(v.dtype_name, self.sub_group_ranges(k, rank, key),
+                                            requires_grad=v.requires_grad)
+                    else:  # step and other scalars; each sub-group keeps a tensor of its own, as DeepSpeed saves it
+                        new[key] = copied(v) if isinstance(v, TensorHandle) else v
+                state[k] = new
+            groups.append(replace(group, params=list(self.dst_group_subs[g])))
+        new_inner = replace(inner, state=state, param_groups=groups)
+        new_osd = replace(osd0, partition_count=m, fp32_flat_groups=flats, optimizer_state_dict=new_inner)
+        return (fnames.optim_states_name(rank, self.mp, prefix=self._prefix),
+                replace(top, optimizer_state_dict=new_osd))
+
+
+class Zero3Resharder(Zero3Writer):
     """Target files of one ZeRO-3 set (a checkpoint's, or one tensor rank's) at ``world_size`` data-parallel
     ranks."""
 
@@ -23,8 +80,6 @@ class Zero3Resharder:
         self.ck, self.m = ck, world_size
         self.notes: list[str] = []
         self._cached: Optional[tuple] = None  # (rank, its pieces) of the last rank asked for
-        self._optim0 = ck.optim_states_file(ck.rank(0)).obj  # every target optimizer file is made from it
-        self._prefix = optim_prefix(ck)
         self._frozen_sources: dict = {}  # frozen parameter -> (its source ranges, their starts, its dtype)
         n = ck.partition_count
         self.src: Zero3Layout = ck.layouts[0]
@@ -47,13 +102,12 @@ class Zero3Resharder:
             cut = zero3_sub_groups([s.numel for s in params], world_size, self.sub_group_size)
             self.dst_group_subs.append(list(range(len(dst_subs), len(dst_subs) + len(cut))))
             dst_subs += [[(params[i].name, params[i].shape) for i in c] for c in cut]
-        self.dst = Zero3Layout.build(dst_subs, world_size)
+        super().__init__(ck, Zero3Layout.build(dst_subs, world_size), self.dst_group_subs, world_size, ck.mp)
         if len(dst_subs) != len(src_subs):
             self.notes.append(f"sub-groups re-cut for {world_size} ranks: {len(src_subs)} -> {len(dst_subs)}")
 
-    def _param_shapes(self) -> list:
-        return [collections.OrderedDict((s.name, TorchSize(s.shape)) for s in self.dst.sub_group_slots(k))
-                for k in range(len(self.dst.sub_group_sizes))]
+    def sub_group_ranges(self, k: int, rank: int, key) -> list:
+        return to_ranges(self.ck, self._pieces(rank)[k], key)
 
     def model_states(self) -> dict[str, Any]:
         """``{file name: object tree}`` of the target's model-states files (one per rank). What is the same
@@ -62,7 +116,7 @@ class Zero3Resharder:
         ck, m = self.ck, self.m
         model0 = ck.model_states_file(ck.rank(0)).obj
         frozen = [p for p in ck.parameters if not p.trainable and not p.tied_to and p.name in ck.records.index.frozen]
-        shapes = self._param_shapes()
+        shapes = self.param_shapes()
         fragments = model0.get("frozen_param_fragments")
         no_frozen = type(fragments)() if fragments is not None and not frozen else None
         no_shared = None
@@ -104,37 +158,7 @@ class Zero3Resharder:
                                    for k in range(len(self.dst.sub_group_sizes))])
         return self._cached[1]
 
-    def optim_states(self, rank: int) -> tuple[str, Any]:
-        """``(file name, object tree)`` of target ``rank``'s optimizer-states file."""
-        ck, m = self.ck, self.m
-        top = self._optim0
-        osd0 = top["optimizer_state_dict"]
-        inner = osd0["optimizer_state_dict"]
-        rg = ck.partition_tensor(ck.rank(0), 0).requires_grad
-        pieces = self._pieces(rank)
-        flats = [streamed("float32", to_ranges(ck, pieces[k], None), requires_grad=rg)
-                 for k in range(len(self.dst.sub_group_sizes))]
-        state = type(inner["state"])()
-        groups = []
-        for g, group in enumerate(inner["param_groups"]):
-            first_src = group["params"][0]
-            template = inner["state"].get(first_src, {})
-            for k in self.dst_group_subs[g]:
-                new = type(template)()
-                for key, v in template.items():
-                    v = self._saved(first_src, key, v)
-                    if isinstance(v, (TensorHandle, RawTensor)) and v.numel == self.src.sub_group_sizes[first_src] \
-                            and v.numel > 1:
-                        new[key] = streamed(v.dtype_name, to_ranges(ck, pieces[k], key), requires_grad=v.requires_grad)
-                    else:  # step and other scalars; each sub-group keeps a tensor of its own, as DeepSpeed saves it
-                        new[key] = copied(v) if isinstance(v, TensorHandle) else v
-                state[k] = new
-            groups.append(replace(group, params=list(self.dst_group_subs[g])))
-        new_inner = replace(inner, state=state, param_groups=groups)
-        new_osd = replace(osd0, partition_count=m, fp32_flat_groups=flats, optimizer_state_dict=new_inner)
-        return (fnames.optim_states_name(rank, ck.mp, prefix=self._prefix), replace(top, optimizer_state_dict=new_osd))
-
-    def _saved(self, sub_group: int, key: str, placeholder):
+    def saved_state(self, sub_group: int, key: str, placeholder):
         """Source rank 0's state ``key`` of ``sub_group``: from its swap file when NVMe offload kept it there
         (the optimizer file then holds an empty placeholder), else as the optimizer file holds it."""
         swapped = self.ck.records.index.swapped.get((0, sub_group))
@@ -145,4 +169,4 @@ class Zero3Resharder:
         return sorted({p.rank for pieces in self._pieces(rank) for p in pieces if isinstance(p, Piece)})
 
 
-__all__ = ["Zero3Resharder"]
+__all__ = ["Zero3Resharder", "Zero3Writer"]
