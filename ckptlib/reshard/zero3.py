@@ -33,8 +33,10 @@ class Zero3Writer:
         raise NotImplementedError
 
     def saved_state(self, sub_group: int, key: str, placeholder):
-        """The template's state ``key`` of ``sub_group`` as saved (a subclass may find it elsewhere)."""
-        return placeholder
+        """The template's rank-0 state ``key`` of ``sub_group``: from its swap file when NVMe offload kept it
+        there (the optimizer file then holds an empty placeholder), else as the optimizer file holds it."""
+        swapped = self.template.records.index.swapped.get((0, sub_group))
+        return swapped[key] if swapped and key in swapped else placeholder
 
     def param_shapes(self) -> list:
         return [collections.OrderedDict((s.name, TorchSize(s.shape)) for s in self.dst.sub_group_slots(k))
@@ -157,12 +159,6 @@ class Zero3Resharder(Zero3Writer):
             self._cached = (rank, [reslice_zero3(self.src, self.dst, rank, k)
                                    for k in range(len(self.dst.sub_group_sizes))])
         return self._cached[1]
-
-    def saved_state(self, sub_group: int, key: str, placeholder):
-        """Source rank 0's state ``key`` of ``sub_group``: from its swap file when NVMe offload kept it there
-        (the optimizer file then holds an empty placeholder), else as the optimizer file holds it."""
-        swapped = self.ck.records.index.swapped.get((0, sub_group))
-        return swapped[key] if swapped and key in swapped else placeholder
 
     def feeds(self, rank: int) -> list[int]:
         """The source ranks whose bytes target ``rank`` reads."""
