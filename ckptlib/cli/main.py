@@ -101,7 +101,6 @@ def _plan_and_run(args: argparse.Namespace, make_plan, desc: str) -> int:
 
 def _cmd_export(args: argparse.Namespace) -> int:
     from ..export import plan_export
-
     from .dcp import dcp_options
 
     states = [s for s in (args.states or "").split(",") if s]
