@@ -3,6 +3,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -78,3 +79,64 @@ def test_not_a_checkpoint(tmp_path):
     for path in (tmp_path / "empty", tmp_path / "missing"):
         r = _inspect(path)
         assert r.returncode == 2 and str(path) in r.stderr
+
+
+# ============================================================================================ rank identity
+def _cli(*args):
+    r = subprocess.run([sys.executable, "-m", "ckptlib", *map(str, args)], capture_output=True, text=True,
+                       timeout=300)
+    assert "Traceback" not in r.stdout + r.stderr, r.stderr
+    return r
+
+
+def _mix(tag, a: Path, b: Path, how: str, resave: bool) -> list[str]:
+    """Put rank file ``a`` where ``b`` is (``duplicate``), or swap them (``swap``); with ``resave`` the moved
+    files are written again under their new names (ckptlib's writer, bytes unchanged): the archive inside
+    then names the file it is, and only the partition metadata and the CRC-32s can tell."""
+    from ckptlib.io.torchzip import open_torch_file
+    from ckptlib.io.torchzip.writer import save
+
+    moves = {b: a} if how == "duplicate" else {b: a, a: b}
+    data = {dst: src.read_bytes() for dst, src in moves.items()}
+    for dst, raw in data.items():
+        dst.write_bytes(raw)
+        if resave:
+            tmp = dst.with_suffix(".tmp.pt")
+            dst.rename(tmp)
+            save(open_torch_file(tmp).obj, dst)
+            tmp.unlink()
+    return sorted(p.name for p in moves)
+
+
+@pytest.mark.parametrize("name", ["z1_bf16_w3", "z2_fp32_w3", "z3_bf16_w3", "bf16opt_w3"])
+@pytest.mark.parametrize("how", ["swap", "duplicate"])
+@pytest.mark.parametrize("resave", [False, True], ids=["as_copied", "resaved"])
+def test_swapped_and_duplicated_rank_files_are_refused(fixture_by_name, tmp_path, name, how, resave):
+    if resave and how == "swap" and name.startswith("z3"):
+        pytest.skip("ZeRO-3 records nothing per rank: two swapped files re-saved under their new names are "
+                    "indistinguishable from the real ones (docs/safety.md)")
+    fx = fixture_by_name(name)
+    ckpt, tag = _copy(fx, tmp_path)
+    files = sorted(tag.glob("*optim_states.pt"))
+    named = _mix(tag, files[0], files[1], how, resave)
+    out = tmp_path / "out"
+    for args in (["export", ckpt, out], ["reshard", ckpt, out, "--world-size", "2"],
+                 ["reshard", ckpt, out, "--universal"]):
+        r = _cli(*args)
+        assert r.returncode == 2, (args[0], r.stdout, r.stderr)
+        assert "do not all hold the partitions their names say" in r.stderr, r.stderr
+        assert all(n in r.stderr for n in (named if how == "swap" or not resave else named[1:])), (named, r.stderr)
+        assert not out.exists()
+    r = _cli("check", ckpt, "--json")
+    assert r.returncode == 1, r.stderr
+    problems = json.loads(r.stdout)["problems"]
+    assert any(p["file"].endswith(named[-1]) for p in problems), problems
+
+
+def test_the_real_files_pass_the_identity_checks(fixture_by_name):
+    from ckptlib.deepspeed.exactness import findings
+
+    for name in ("z1_bf16_w3", "z2_fp32_w3", "z3_bf16_w3", "bf16opt_w3", "z2_align_w3", "z1_roundrobin_w3",
+                 "z3_subgroup_w3", "z2_bf16_w4", "hf_trainer_w2"):
+        with ckptlib.open_checkpoint(fixture_by_name(name)["checkpoint_path"]) as ck:
+            assert findings(ck) == [], name

@@ -38,7 +38,7 @@ from ..progress import Observer, check_cancel
 from ..system.memory import MemoryReport, watch_memory
 from ..units import human_bytes
 from .compare import RangeIndex, WindowReader, cast_values, np_type, same_bytes, stored_dtype
-from .healthrules import StatsItem, StepItem, file_labels, layout_problems, stats_items, step_items
+from .healthrules import StatsItem, StepItem, file_labels, identity_problems, layout_problems, stats_items, step_items
 from .scan import Problem, json_ready, num, progress_to, scan_peak_bytes
 from .tensorstats import RunningStats, TensorStats
 
@@ -172,7 +172,7 @@ def plan_check(checkpoint: Union[Checkpoint, str, os.PathLike], *, tag: Optional
     labels = file_labels(ck)
     items = stats_items(ck, states, notes)
     steps = step_items(ck, notes)
-    problems = layout_problems(ck, labels, notes)
+    problems = layout_problems(ck, labels, notes) + identity_problems(ck)
     return CheckPlan(source=ck.source_ref(), items=items, steps=steps, problems=problems, labels=labels,
                      states=states, chunk_bytes=chunk_bytes, notes=notes)
 

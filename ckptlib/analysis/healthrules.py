@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..deepspeed import NO_ZERO, Checkpoint
+from ..deepspeed import exactness
 from ..deepspeed.join import PIPELINE
 from ..deepspeed.moe import global_name
 from ..dtypes import is_floating
@@ -281,6 +282,15 @@ def _zero3_problems(ck: Checkpoint, label: dict) -> list[Problem]:
     return out
 
 
+def identity_problems(ck: Checkpoint) -> list[Problem]:
+    """Rank files that were saved as another file, or hold another rank's partition byte for byte
+    (:mod:`ckptlib.deepspeed.exactness`; the paddings and mappings are :func:`layout_problems`)."""
+    out = []
+    for f in exactness.saved_as(ck) + exactness.duplicates(ck):
+        out += [Problem("file", file, f.what) for file in f.files]
+    return out
+
+
 def layout_problems(ck: Checkpoint, label: dict, notes: Optional[list] = None) -> list[Problem]:
     """Padding the files record that covers parameter elements, by the layout arithmetic."""
     if ck.flavor == NO_ZERO or not ck.layouts:
@@ -288,5 +298,6 @@ def layout_problems(ck: Checkpoint, label: dict, notes: Optional[list] = None) -
     return _zero3_problems(ck, label) if ck.zero_stage == 3 else _flat_problems(ck, label, notes)
 
 
-__all__ = ["StatsItem", "StepItem", "file_labels", "stats_items", "step_items", "layout_problems", "groups_of",
+__all__ = ["StatsItem", "StepItem", "file_labels", "stats_items", "step_items", "layout_problems", "identity_problems",
+           "groups_of",
            "zero_sets", "saved_weights_view", "replica_pairs"]

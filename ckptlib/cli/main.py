@@ -1,6 +1,8 @@
 """The ``ckpt`` command line (also ``python -m ckptlib``).
 
-Errors ckptlib raises on purpose are printed as one clear message (exit code 2); no traceback.
+Exit codes (:mod:`ckptlib.cli.crash`): 0 success, 1 a finding (problems, differences, a failed
+verification), 2 an error with one clear message (what ckptlib raises on purpose), 3 an internal error
+(a bug: one line asking for a report, the traceback in a file). Never a traceback on the terminal.
 """
 from __future__ import annotations
 
@@ -12,14 +14,21 @@ from typing import Optional, Sequence
 
 from .. import __version__
 from ..dtypes import OUTPUT_DTYPES
-from ..errors import CkptError
+from ..errors import CkptError, printable
 from ..units import human_bytes
+from .crash import internal_error
 from .dcp import add_dcp_arguments
 from .resume import add_arguments as resume_arguments
 
 TP_RULES_HELP = ("tensor-parallel checkpoints saved without universal_checkpoint_info: a JSON file with its keys "
                  "(tp_replicated_parameter_patterns, parameter_with_row_parallelism_patterns, "
                  "vocabulary_parameter_patterns, original_vocab_size) saying how the shards join")
+
+
+def _say(text: str, file=None) -> None:
+    """Print text made of names from the checkpoint (tensor names, tags, ``latest``): control characters
+    escaped line by line, so nothing a file holds reaches the terminal raw."""
+    print("\n".join(printable(line) for line in str(text).split("\n")), file=file or sys.stdout)
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
@@ -36,7 +45,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(describe(ckpt), indent=2))
         else:
-            print(format_text(ckpt))
+            _say(format_text(ckpt))
         return 1 if ckpt.problems else 0
 
 
@@ -46,8 +55,8 @@ def _finish(args: argparse.Namespace, plan, result, checked=None) -> int:
     verification fails."""
     if not args.quiet:
         for note in plan.notes:
-            print(f"note: {note}", file=sys.stderr)
-        print(result.describe())
+            _say(f"note: {note}", file=sys.stderr)
+        _say(result.describe())
     if not args.verify:
         return 0
     if checked is None:
@@ -55,7 +64,7 @@ def _finish(args: argparse.Namespace, plan, result, checked=None) -> int:
 
         checked = verify(plan, result.out)
     if not args.quiet or not checked.ok:
-        print(checked.describe())
+        _say(checked.describe())
     return 0 if checked.ok else 1
 
 
@@ -72,7 +81,7 @@ def _plan_and_run(args: argparse.Namespace, make_plan, desc: str) -> int:
 
         plan = make_plan()
         if args.plan:
-            print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.describe())
+            _say(json.dumps(plan.to_dict(), indent=2) if args.json else plan.describe())
             return 0
         return _finish(args, plan, run(plan, observer=observer))
     from ..execute.distributed import (
@@ -88,7 +97,7 @@ def _plan_and_run(args: argparse.Namespace, make_plan, desc: str) -> int:
             plan = shared_plan(make_plan)
             if args.plan:
                 if rank == 0:
-                    print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.describe())
+                    _say(json.dumps(plan.to_dict(), indent=2) if args.json else plan.describe())
                 return 0
             result = run_distributed(plan, observer=observer)
             checked = verify_distributed(plan, result.out) if args.verify else None  # every rank compares a share
@@ -136,9 +145,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
         return resume.run(args)
     plan = plan_check(args.path, tag=args.tag, states=args.states, tp_rules=args.tp_rules)
     for note in plan.notes:
-        print(f"note: {note}", file=sys.stderr)
+        _say(f"note: {note}", file=sys.stderr)
     result = check(plan, observer=None if args.quiet or args.json else ReadTqdm("check"))
-    print(json.dumps(result.to_dict(), indent=2) if args.json else result.describe())
+    _say(json.dumps(result.to_dict(), indent=2) if args.json else result.describe())
     return 0 if result.ok else 1
 
 
@@ -149,9 +158,9 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     plan = plan_diff(args.a, args.b, tag_a=args.tag_a, tag_b=args.tag_b, states=args.states, atol=args.atol,
                      rtol=args.rtol, tp_rules=args.tp_rules)
     for note in plan.notes:
-        print(f"note: {note}", file=sys.stderr)
+        _say(f"note: {note}", file=sys.stderr)
     result = diff(plan, observer=None if args.quiet or args.json else ReadTqdm("diff"))
-    print(json.dumps(result.to_dict(), indent=2) if args.json else result.describe())
+    _say(json.dumps(result.to_dict(), indent=2) if args.json else result.describe())
     return 0 if result.ok else 1
 
 
@@ -294,18 +303,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         print(f"ckpt {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        return 0
     except (MemoryError, RuntimeError) as e:  # an allocation failed outside a run (which says more itself)
         from ..system.allocation import is_allocation_failure
         from ..system.memory import system_memory
 
         if not is_allocation_failure(e):
-            raise
+            return internal_error(args.command, e, argv)
         room = system_memory()
         print(f"ckpt {args.command}: error: ran out of memory ({human_bytes(room.headroom)} was {room.bound_by})\n"
               "  hint: free memory or raise the limit; `ckpt export --plan` shows what a run needs", file=sys.stderr)
         return 2
-    except BrokenPipeError:
-        return 0
+    except Exception as e:  # noqa: BLE001 - a bug in ckptlib: one line, the traceback in a file (exit 3)
+        return internal_error(args.command, e, argv)
 
 
 if __name__ == "__main__":  # pragma: no cover

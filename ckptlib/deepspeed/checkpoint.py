@@ -152,6 +152,10 @@ class Checkpoint:
             return []
         return [n for n, blocks in self.view.blocks.items() if any(b.replicas for b in blocks)]
 
+    def opened_files(self) -> list:
+        """``(FileInfo, TorchFile)`` of every file of the tag folder opened so far (the readable ones)."""
+        return self._files.opened()
+
     def coordinates(self, f) -> dict:
         """Where file ``f`` sits in the mesh: ``stage``, ``tp_rank``, ``dp_rank``, ``ep_rank``, ``layer``,
         ``expert`` (None where the dimension does not apply)."""

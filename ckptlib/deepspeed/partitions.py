@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..errors import UnsupportedCheckpointError
+from ..errors import IncompleteCheckpointError, UnsupportedCheckpointError
 from ..io.torchzip import TensorHandle
 from ..layout.flat import FlatGroupLayout, Zero3Layout
 from . import files as fnames
@@ -35,14 +35,34 @@ def build_zero12(rec: Records, model: dict, model_file: FileInfo, optim_files: l
     first = optim[min(optim)]
     counts = first.get("partition_count")
     counts = list(counts) if isinstance(counts, (list, tuple)) else [counts] * len(param_shapes)
-    rec.partition_count = max(int(c) for c in counts) if counts else None
+    try:
+        counts = [int(c) for c in counts]
+    except (TypeError, ValueError):
+        raise IncompleteCheckpointError(f"partition_count {counts!r} is not a list of numbers",
+                                        path=optim_files[0].path) from None
+    rec.partition_count = max(counts) if counts else None
     base = first.get("base_optimizer_state")
     rec.expert_groups = expert_groups(base.get("param_groups") or [] if isinstance(base, dict) else [],
                                       [list(g) for g in param_shapes], counts, rec.partition_count or 1)
     paddings = first.get("param_alignment_paddings")
+    if len(counts) != len(param_shapes):
+        raise IncompleteCheckpointError(
+            f"the optimizer-state files have {len(counts)} parameter groups (partition_count), the model-states "
+            f"file's param_shapes {len(param_shapes)}: the files are not of one save", path=model_file.path,
+            hint="the model-states file or the optimizer files are from another run; restore the files from a copy")
     for g, group in enumerate(param_shapes):
         pads = list(paddings[g]) if isinstance(paddings, (list, tuple)) and g < len(paddings) else None
-        rec.layouts.append(FlatGroupLayout.build(list(group.items()), int(counts[g]), paddings_after=pads, group=g))
+        if pads is not None and len(pads) != len(group):
+            raise IncompleteCheckpointError(
+                f"group {g}: param_shapes lists {len(group)} parameters, the optimizer files' "
+                f"param_alignment_paddings {len(pads)}: the model-states file and the optimizer files are not of "
+                "one save", path=model_file.path,
+                hint="the model-states file or the optimizer files are from another run; restore the files from a copy")
+        count = counts[g]
+        if count < 1:
+            raise IncompleteCheckpointError(f"group {g}: partition_count {count} is not a positive number",
+                                            path=optim_files[0].path)
+        rec.layouts.append(FlatGroupLayout.build(list(group.items()), count, paddings_after=pads, group=g))
     check_rank_files(rec, optim_files, rec.partition_count, "optimizer-state")
     key = "single_partition_of_fp32_groups"
     for rank, osd in sorted(optim.items()):

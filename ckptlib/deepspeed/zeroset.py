@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from ..errors import IncompleteCheckpointError
+from ..errors import IncompleteCheckpointError, MissingEntryError
 from ..io.torchzip import TensorHandle, TorchFile
 from ..layout.flat import Piece
 from ..layout.ranges import StoredRange, Zeros
@@ -116,7 +116,7 @@ class ZeroSet:
         osd = self.records.index.optim.get(rank)
         if osd is None:
             raise IncompleteCheckpointError(f"the optimizer-state file of {rank} is missing or unreadable",
-                                            path=self.location.tag_dir)
+                                            path=self._optim_path(rank))
         return osd
 
     def partition_tensor(self, rank: Rank, group: int, state: Optional[str] = None) -> TensorHandle:
@@ -128,17 +128,31 @@ class ZeroSet:
         if swapped is not None and state in swapped:
             return swapped[state]
         osd = self.optimizer_state_dict(rank)
-        if state is None:
-            return osd["fp32_flat_groups" if self.zero_stage == 3 else "single_partition_of_fp32_groups"][group]
-        if self.zero_stage == 3:
-            states = osd["optimizer_state_dict"]["state"]
-        else:
-            base = osd["base_optimizer_state"]
-            states = base["state"] if isinstance(base, dict) else dict(enumerate(base))
         try:
-            return states[group][state]
+            if state is None:
+                t = osd["fp32_flat_groups" if self.zero_stage == 3 else "single_partition_of_fp32_groups"][group]
+            else:
+                if self.zero_stage == 3:
+                    states = osd["optimizer_state_dict"]["state"]
+                else:
+                    base = osd["base_optimizer_state"]
+                    states = base["state"] if isinstance(base, dict) else dict(enumerate(base))
+                t = states[group][state]
         except (KeyError, IndexError, TypeError):
-            raise KeyError(f"the optimizer state has no '{state}' for group {group} on {rank}") from None
+            what = "fp32 partition" if state is None else f"optimizer state '{state}'"
+            raise MissingEntryError(f"the file has no {what} of group {group} ({rank})",
+                                    path=self._optim_path(rank)) from None
+        if state is None and not isinstance(t, TensorHandle):
+            raise MissingEntryError(f"the fp32 partition of group {group} ({rank}) is not a tensor",
+                                    path=self._optim_path(rank))
+        return t
+
+    def _optim_path(self, rank: Rank) -> str:
+        """The optimizer-states file of ``rank`` (for messages), or the tag folder."""
+        for f in self._files.of(fnames.OPTIM_STATES, mp_rank=self.mp):
+            if f.dp_rank == rank.dp:
+                return str(f.path)
+        return str(self.location.tag_dir)
 
     def frozen_chunks(self, name: str) -> list[TensorHandle]:
         """The stored chunks of frozen parameter ``name`` in rank order (one tensor, except at ZeRO-3 where

@@ -11,6 +11,7 @@ from typing import Optional, Sequence, Union
 
 from ..dcp import is_dcp
 from ..deepspeed import Checkpoint, hf, open_checkpoint
+from ..deepspeed.exactness import require_exact
 from ..dtypes import BY_SHORT, OUTPUT_DTYPES, is_floating
 from ..errors import CkptError
 from ..io.streaming import DEFAULT_CHUNK_BYTES
@@ -101,7 +102,7 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
     if workers < 1:
         raise CkptError("workers must be at least 1")
     limit = _limit(max_shard_size)
-    ck.check_readable()
+    require_exact(ck)  # the one validation of every conversion: readable, every rank file what its name says
     warnings = []
     if ck.flavor != "no_zero" and ck.zero_stage == 1 and any(not p.trainable and not p.tied_to for p in ck.parameters):
         warnings.append("ZeRO-1 does not save fp32 copies of frozen parameters: they are exported from the "

@@ -8,6 +8,7 @@ from typing import ClassVar, Optional, Union
 
 from ..deepspeed import NO_ZERO, Checkpoint, open_checkpoint
 from ..deepspeed import files as fnames
+from ..deepspeed.exactness import replica_checks, require_exact
 from ..errors import CkptError, UnsupportedCheckpointError
 from ..io.streaming import DEFAULT_CHUNK_BYTES
 from ..plan import CopyFile, Plan, TextFile
@@ -89,7 +90,7 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
     Memory: the plan (object trees whose tensors are range lists, not read yet).
     """
     ck = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, tag=tag, tp_rules=tp_rules)
-    ck.check_readable()
+    require_exact(ck)  # the validation export and the universal checkpoint run too
     if world_size < 1:
         raise CkptError("the target world size must be at least 1")
     refuse_unsupported(ck)
@@ -124,7 +125,7 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
     return ReshardPlan(source=ck.source_ref(), out=Path(out).expanduser().resolve(), world_size=world_size,
                        files=files, finals=[TextFile("latest", tag_name, kind="latest")], folders=[tag_name],
                        chunk_bytes=chunk_bytes, overwrite=overwrite, sync=sync, notes=notes,
-                       workers=workers or default_workers())
+                       workers=workers or default_workers(), checks=replica_checks(ck))
 
 
 def refuse_unsupported(ck: Checkpoint) -> None:

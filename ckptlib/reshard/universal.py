@@ -88,6 +88,7 @@ from typing import Any, ClassVar, Optional, Union
 
 from ..deepspeed import NO_ZERO, Checkpoint, open_checkpoint
 from ..deepspeed import files as fnames
+from ..deepspeed.exactness import replica_checks, require_exact
 from ..errors import IncompleteCheckpointError, UnsupportedCheckpointError
 from ..io.rawfile import RawTensor
 from ..io.streaming import DEFAULT_CHUNK_BYTES
@@ -304,7 +305,7 @@ def plan_universal(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[s
     Memory: the plan (object trees whose tensors are range lists, not read yet).
     """
     ck = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, tag=tag, tp_rules=tp_rules)
-    ck.check_readable()
+    require_exact(ck)  # the validation export and reshard run too
     if ck.flavor == NO_ZERO:
         raise UnsupportedCheckpointError(
             "this checkpoint has no ZeRO partitioning (stage 0): DeepSpeed's universal loader only works with "
@@ -359,6 +360,7 @@ def plan_universal(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[s
     return UniversalPlan(source=ck.source_ref(), out=Path(out).expanduser().resolve(), universal_tag=utag,
                          files=files, finals=[TextFile(LATEST_UNIVERSAL, utag, kind="latest")],
                          folders=[f"{utag}/zero"], chunk_bytes=chunk_bytes, overwrite=overwrite, sync=sync,
+                         checks=replica_checks(ck),
                          notes=src.notes + _notes(ck, tied, skipped_frozen) + carried_notes + load,
                          workers=workers or default_workers())
 

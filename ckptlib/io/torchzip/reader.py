@@ -266,6 +266,13 @@ class TorchFile:
                                                stored_bytes=size, stored_crc=crc)
         return ref
 
+    @property
+    def archive_name(self) -> str:
+        """The name of the zip archive's top folder (``<name>/data.pkl``): torch names it after the file it
+        writes (its name without the extension), ``archive`` when it wrote to a file object. A file renamed
+        or copied over another keeps the name it was saved under."""
+        return self._prefix.rstrip("/")
+
     # ------------------------------------------------------------------ reading
     @property
     def storages(self) -> dict[str, StorageRef]:
