@@ -25,7 +25,7 @@ from ..deepspeed import exactness
 from ..deepspeed.join import PIPELINE
 from ..deepspeed.moe import global_name
 from ..dtypes import is_floating
-from ..errors import IncompleteCheckpointError
+from ..errors import IncompleteCheckpointError, UnsupportedCheckpointError
 from ..io.torchzip import TensorHandle
 from .scan import Problem
 
@@ -151,6 +151,10 @@ def stats_items(ck: Checkpoint, states: bool = False, notes: Optional[list] = No
                     ranges = tuple(ck.sources(p.name, key))
                 except KeyError:
                     continue
+                except UnsupportedCheckpointError as e:  # ZeRO-0: which parameter's state it is is not known
+                    if notes is not None and e.message not in notes:
+                        notes.append(f"{key}/{p.name} not checked: {e.message}")
+                    continue
                 if ranges and is_floating(ranges[0].dtype):
                     out.append(StatsItem(f"{key}/{p.name}", "state", ranges[0].dtype, tuple(p.shape), ranges, key,
                                          replicas=replica_pairs(ck, p.name, key)))
@@ -250,7 +254,11 @@ def _mapping_problems(lay, k: int, g: int, recorded: dict, file: str, who: str, 
     padding = [(s.rank_start, s.rank_start + s.count) for s in lay.segments(k) if s.is_padding]
     for name, addr in recorded.items():
         start, count = getattr(addr, "start", None), getattr(addr, "numel", None)
-        if not isinstance(start, int) or not isinstance(count, int) or want.get(name) == (start, count):
+        if not isinstance(start, int) or not isinstance(count, int):
+            out.append(Problem(named(name), file, f"group {g}: its param_slice_mappings entry is not a fragment "
+                               f"address ({type(addr).__name__}): the file is damaged"))
+            continue
+        if want.get(name) == (start, count):
             continue
         covered = sum(max(0, min(b, start + count) - max(a, start)) for a, b in padding)
         where = want.get(name)

@@ -32,7 +32,7 @@ def _say(text: str, file=None) -> None:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from ..analysis.summary import describe, format_text
+    from ..analysis.summary import all_problems, describe, format_text
     from ..dcp import is_dcp
     from ..deepspeed import open_checkpoint
 
@@ -46,7 +46,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             print(json.dumps(describe(ckpt), indent=2))
         else:
             _say(format_text(ckpt))
-        return 1 if ckpt.problems else 0
+        return 1 if all_problems(ckpt) else 0
 
 
 def _finish(args: argparse.Namespace, plan, result, checked=None) -> int:

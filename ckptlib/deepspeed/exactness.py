@@ -195,5 +195,13 @@ def replica_checks(ck, keys: Optional[list] = None) -> list[RangeCheck]:
     return out
 
 
-__all__ = ["Finding", "findings", "saved_as", "duplicates", "require_exact", "replica_checks",
+def value_proofs(ck) -> list[RangeCheck]:
+    """Range checks that prove what the metadata leaves open (ZeRO-0's optimizer entries matched by shape where
+    another parameter has the same shape: :meth:`~ckptlib.deepspeed.ZeroSet.stage0_proofs`); a run compares
+    them before writing and refuses when they differ."""
+    return [RangeCheck(what, tuple(a), tuple(b), dtype) for zs in ck.sets.values() for what, a, b, dtype in
+            (zs.stage0_proofs() if zs.flavor == NO_ZERO else [])]
+
+
+__all__ = ["value_proofs", "Finding", "findings", "saved_as", "duplicates", "require_exact", "replica_checks",
            "SAVED_AS", "PADDINGS", "MAPPINGS", "DUPLICATE"]

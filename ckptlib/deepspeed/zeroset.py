@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from ..errors import IncompleteCheckpointError, MissingEntryError
+from ..errors import IncompleteCheckpointError, MissingEntryError, UnsupportedCheckpointError
 from ..io.torchzip import TensorHandle, TorchFile
 from ..layout.flat import Piece
 from ..layout.ranges import StoredRange, Zeros
@@ -227,15 +227,45 @@ class ZeroSet:
                                             path=self.location.tag_dir)
         return out
 
+    def _stage0_optimizer(self, name: str) -> dict:
+        where = self.records.index.stage0.get(name, (None, None))
+        return self.records.index.stage0_optimizers[where[2]] if len(where) > 2 else \
+            (self.records.index.stage0_optimizer or {})
+
+    def stage0_proofs(self) -> list[tuple[str, list, list, str]]:
+        """ZeRO-0 names nothing; where another parameter of the same shape could have been an optimizer
+        entry (``records.index.stage0_ambiguous``), the choice is proven by the values: ``(what, fp32 master
+        ranges, saved weight ranges, saved dtype)`` that must be equal once the master is cast to the saved
+        weight's dtype (16-bit training keeps the module weights the masters rounded). Plans compare them
+        before writing; where the module holds the fp32 values themselves there is nothing to compare (the
+        weights are exact either way, the optimizer states are refused: :meth:`sources`)."""
+        out = []
+        for name, other in self.records.index.stage0_ambiguous.items():
+            g, i = self.records.index.stage0[name][:2]
+            if "fp32_groups" not in self._stage0_optimizer(name):
+                continue
+            saved = self.module_tensor(name)
+            out.append((f"{name}: its fp32 master (optimizer group {g} entry {i}; ZeRO-0 records no names, and "
+                        f"{other} has the same shape) cast to {saved.dtype_name} and its saved {saved.dtype_name} "
+                        "weight", self._stage0_handle(self.param(name), None).ranges(), saved.ranges(),
+                        saved.dtype_name))
+        return out
+
     def _stage0_handle(self, p: ParameterInfo, key: Optional[str]) -> TensorHandle:
         where = self.records.index.stage0.get(p.name, (None, None))
         g, i = where[:2]
-        opt = self.records.index.stage0_optimizers[where[2]] if len(where) > 2 else \
-            (self.records.index.stage0_optimizer or {})
+        opt = self._stage0_optimizer(p.name)
+        other = self.records.index.stage0_ambiguous.get(p.name)
         if key is None:
             if "fp32_groups" in opt and g is not None:
                 return opt["fp32_groups"][g][i]
             return self.module_tensor(p.name)
+        if other is not None and "fp32_groups" not in opt:
+            raise UnsupportedCheckpointError(
+                f"ZeRO-0 records no names: optimizer group {g} entry {i} is {p.name} or {other} (the same shape, one "
+                f"of them in no group), and its '{key}' cannot be told to be either's", path=self.location.tag_dir,
+                hint="the weights export exactly without --states; states need a checkpoint saved with ZeRO-1 or "
+                     "later, which records names")
         if g is None:
             raise KeyError(f"no optimizer state is known for {p.name}")
         inner = opt.get("optimizer_state_dict", opt)

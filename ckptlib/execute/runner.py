@@ -112,10 +112,14 @@ def compare_copies(plan: Plan, cancel: Any = None) -> None:
         for c in plan.checks:
             at = first_difference(c.a, c.b, c.dtype, files, plan.chunk_bytes, cancel)
             if at is not None:
+                proof = " master" in c.what  # a value proof (ZeRO-0's unnamed optimizer entries)
                 raise IncompleteCheckpointError(
-                    f"{c.what} differ (first at element {at}) although the checkpoint says they are one tensor "
-                    "stored on several ranks; ckptlib does not pick one", path=plan.source.tag_dir,
-                    hint="one of the rank files is damaged or from another run: restore it from a copy")
+                    f"{c.what} differ (first at element {at})" + (
+                        ": the optimizer entry is not this parameter, and which one it is cannot be proven; nothing "
+                        "was written" if proof else " although the checkpoint says they are one tensor stored on "
+                        "several ranks; ckptlib does not pick one"), path=plan.source.tag_dir,
+                    hint="a file is damaged or from another run: restore it from a copy" if not proof else
+                    "re-save the checkpoint with ZeRO-1 or later (which records names), or report it")
 
 
 def finished(plan: Plan, seconds: float, read: int, memory: Optional[MemoryReport]) -> RunResult:

@@ -11,7 +11,7 @@ from typing import Optional, Sequence, Union
 
 from ..dcp import is_dcp
 from ..deepspeed import Checkpoint, hf, open_checkpoint
-from ..deepspeed.exactness import require_exact
+from ..deepspeed.exactness import require_exact, value_proofs
 from ..dtypes import BY_SHORT, OUTPUT_DTYPES, is_floating
 from ..errors import CkptError
 from ..io.streaming import DEFAULT_CHUNK_BYTES
@@ -107,6 +107,11 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
     if ck.flavor != "no_zero" and ck.zero_stage == 1 and any(not p.trainable and not p.tied_to for p in ck.parameters):
         warnings.append("ZeRO-1 does not save fp32 copies of frozen parameters: they are exported from the "
                         f"{ck.dtype} module weights (DeepSpeed's converter drops them)")
+    if ck.flavor == "no_zero" and ck.dtype in ("bf16", "fp16"):
+        lowp = [p.name for p in ck.parameters if not p.trainable and not p.tied_to]
+        if lowp:
+            warnings.append(f"ZeRO-0: {', '.join(lowp)} in no optimizer group (frozen; the checkpoint holds no fp32 "
+                            f"master for them): exported from the {ck.dtype} module weights")
     out_dtype = BY_SHORT[dtype].name
     sets = [("", _weights(ck, out_dtype, exclude_frozen))]
     known = set(ck.optimizer.state_keys) if ck.optimizer else set()
@@ -139,7 +144,7 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
             finals.append(TextFile(prefix + index, index_json(group, key), kind="index"))
     checks = [RangeCheck(what, tuple(a), tuple(b), a[0].dtype if a else "float32")  # compared as stored
               for f in files for t in f.tensors for what, a, b in ck.replica_checks(t.source, t.key)
-              if t.kind != "tied"]
+              if t.kind != "tied"] + value_proofs(ck)
     side, side_notes = _side_files(ck, out_dtype) if hf_files else ([], [])
     files += [f for f in side if isinstance(f, CopyFile)]
     finals = [f for f in side if isinstance(f, TextFile)] + finals

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ...dtypes import BY_NAME, itemsize
-from ...errors import CkptError, IncompleteCheckpointError, UnsafeCheckpointError, UnsupportedCheckpointError
+from ...errors import CkptError, IncompleteCheckpointError, UnsafeCheckpointError, UnsupportedCheckpointError, printable
 from ...layout.ranges import StoredRange
 from . import zipfmt
 from .handles import StorageRef
@@ -174,6 +174,7 @@ class TorchFile:
         self._members = members
         try:
             self._offsets = self._data_offsets(members, pkl[0])
+            self._check_byteorder()
             data = self._read_member(pkl[0])
         except CkptError:
             raise
@@ -223,7 +224,8 @@ class TorchFile:
         at most :data:`_NEAR` bytes apart (the empty or tiny storages of ZeRO-3 model files) are read
         together, one ``pread`` per run."""
         data = self._prefix + "data/"
-        wanted = sorted((v[0], name) for name, v in members.items() if name == pkl or name.startswith(data))
+        wanted = sorted((v[0], name) for name, v in members.items()
+                        if name == pkl or name.startswith(data) or name == self._prefix + "byteorder")
         out: dict[str, int] = {}
         for start, length, headers in zipfmt.header_runs(wanted, _NEAR):
             try:
@@ -231,6 +233,23 @@ class TorchFile:
             except ZipFormatError as e:
                 raise IncompleteCheckpointError(str(e), path=self.path) from None
         return out
+
+    def _check_byteorder(self) -> None:
+        """torch records the byte order of the tensor bytes in ``<archive>/byteorder`` (``little`` on every
+        machine it runs on today; files without the record are little-endian too). Anything else is refused:
+        ckptlib copies and casts the bytes as little-endian, where torch would swap them."""
+        name = self._prefix + "byteorder"
+        if name not in self._members:
+            return
+        if self._members[name][2] > 16:
+            raise IncompleteCheckpointError(f"its {name} record holds {self._members[name][2]} bytes, not a byte order",
+                                            path=self.path, hint="the file is damaged; copy it again or use another tag")
+        order = self._read_member(name).decode("ascii", "replace").strip()
+        if order != "little":
+            raise UnsupportedCheckpointError(
+                f"its tensors are stored {printable(order, 16)!r}-endian (the {name} record); ckptlib reads "
+                "little-endian tensor bytes only", path=self.path,
+                hint="load and re-save it with torch on a little-endian machine (torch swaps the bytes when it loads)")
 
     def _read_member(self, name: str) -> bytes:
         _, _, size, _, method = self._members[name]
