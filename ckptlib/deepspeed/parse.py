@@ -20,6 +20,7 @@ from .fileset import OpenedFiles
 from .moe import expert_file_problems, expert_file_tensors, is_moe, with_experts
 from .records import BF16_OPTIMIZER, NO_ZERO, ZERO, BufferInfo, OptimizerInfo, Records
 from .releases import find_quirks, refuse_old_layouts, written_by
+from .stage0 import build_stage0
 from .values import as_int, as_str, get, plain
 
 
@@ -74,7 +75,7 @@ def parse(fs: OpenedFiles, notes: list, problems: list, mp: int = 0, module: Opt
     _stage_and_flavor(rec, fs, optim_files, first_optim)
     rec.dtype = _training_dtype(rec, model)
     if rec.flavor == NO_ZERO:
-        partitions.build_stage0(rec, model, _expert_optimizers(fs))
+        build_stage0(rec, model, _expert_optimizers(fs))
     elif rec.zero_stage == 3:
         partitions.build_zero3(rec, fs, model, model_files, optim_files)
     else:
