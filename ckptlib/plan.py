@@ -225,10 +225,12 @@ class Plan:
     sync: bool = True
     notes: list = field(default_factory=list)
     checks: list = field(default_factory=list)
+    crc: list = field(default_factory=list)  # zip members of the source whose CRC-32 a run verifies first
 
     @property
     def read_bytes(self) -> int:
-        return sum(f.read_bytes for f in self.files) + sum(c.read_bytes for c in self.checks)
+        return sum(f.read_bytes for f in self.files) + sum(c.read_bytes for c in self.checks) + \
+            sum(e.size for e in self.crc)
 
     @property
     def write_bytes(self) -> int:
@@ -255,6 +257,9 @@ class Plan:
         lines = [f"{self.reads_text()}; {self.writes_text()}",
                  f"predicted peak memory: {human_bytes(self.predicted_peak_bytes)} ({who}, "
                  f"{human_bytes(self.chunk_bytes)} chunks; independent of the model size)"]
+        if self.crc:
+            lines.append(f"verifies the CRC-32 of {len(self.crc)} zip entries of the source before writing "
+                         f"({human_bytes(sum(e.size for e in self.crc))} read for it)")
         if not self.sync:
             lines.append("not synced: the output appears when written; the kernel puts it on disk after the run")
         return lines

@@ -140,3 +140,51 @@ def test_the_real_files_pass_the_identity_checks(fixture_by_name):
                  "z3_subgroup_w3", "z2_bf16_w4", "hf_trainer_w2"):
         with ckptlib.open_checkpoint(fixture_by_name(name)["checkpoint_path"]) as ck:
             assert findings(ck) == [], name
+
+
+# ============================================================================================ CRC-32
+def _flip_in_tensor_data(tag: Path) -> tuple[Path, str]:
+    """Flip one bit inside rank 1's fp32 partition (tensor data, not metadata); the file and its zip entry."""
+    from ckptlib.io.torchzip import open_torch_file
+
+    f = next(tag.glob("*zero_pp_rank_1_mp_rank_00_optim_states.pt"))
+    with open_torch_file(f) as tf:
+        osd = tf.obj["optimizer_state_dict"]
+        h = (osd.get("single_partition_of_fp32_groups") or osd.get("fp32_flat_groups"))[0]
+        at, entry = h.byte_offset(3) + 1, f"{tf.archive_name}/data/{h.storage.key}"
+    raw = bytearray(f.read_bytes())
+    raw[at] ^= 0x04
+    f.write_bytes(bytes(raw))
+    return f, entry
+
+
+@pytest.mark.parametrize("name", ["z2_bf16_w3", "z3_fp32_w2"])
+def test_a_flipped_bit_in_tensor_data_is_found_by_its_crc(fixture_by_name, tmp_path, name):
+    ckpt, tag = _copy(fixture_by_name(name), tmp_path)
+    f, entry = _flip_in_tensor_data(tag)
+    for args in (["check", ckpt, "--states", "--json"], ["check", ckpt, "--json"]):
+        r = _cli(*args)
+        assert r.returncode == 1, r.stderr
+        crc = [p for p in json.loads(r.stdout)["problems"] if p["tensor"] == "zip entry"]
+        assert len(crc) == 1 and crc[0]["file"].endswith(f.name) and entry in crc[0]["what"], crc
+    out = tmp_path / "out"
+    for args in (["export", ckpt, out, "--verify-crc"], ["reshard", ckpt, out, "--world-size", "3", "--verify-crc"],
+                 ["reshard", ckpt, out, "--universal", "--verify-crc"]):
+        r = _cli(*args)
+        assert r.returncode == 2 and f.name in r.stderr and entry in r.stderr and "CRC-32" in r.stderr, r.stderr
+        assert not out.exists()
+    assert _cli("export", ckpt, out).returncode == 0  # without the flag nothing reads the whole entry
+    r = _cli("export", fixture_by_name(name)["checkpoint_path"], tmp_path / "clean", "--verify-crc", "--plan")
+    assert r.returncode == 0 and "verifies the CRC-32 of" in r.stdout, r.stdout
+
+
+def test_a_damaged_pickle_is_refused_by_its_crc(fixture_by_name, tmp_path):
+    """A changed byte inside a pickle can still unpickle (a number, a name): its CRC-32 is checked on opening."""
+    ckpt, tag = _copy(fixture_by_name("z2_bf16_w2"), tmp_path)
+    f = tag / "mp_rank_00_model_states.pt"
+    raw = bytearray(f.read_bytes())
+    at = raw.index(b"ds_version")  # a key inside data.pkl: still a valid pickle once changed
+    raw[at] = ord("D")
+    f.write_bytes(bytes(raw))
+    r = _cli("inspect", ckpt)
+    assert r.returncode == 2 and f.name in r.stderr and "CRC-32" in r.stderr, r.stderr

@@ -117,7 +117,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         args.path, args.out, tag=args.tag, format=args.format, dtype=args.dtype,
         max_shard_size=args.max_shard_size, exclude_frozen=args.exclude_frozen, states=states,
         workers=args.workers, overwrite=args.overwrite, tp_rules=args.tp_rules, hf_files=args.hf_files,
-        sync=args.sync, dcp=dcp_options(args)), "export")
+        sync=args.sync, dcp=dcp_options(args), verify_crc=args.verify_crc), "export")
 
 
 def _cmd_reshard(args: argparse.Namespace) -> int:
@@ -128,9 +128,11 @@ def _cmd_reshard(args: argparse.Namespace) -> int:
             raise CkptError("--world-size is required (or --universal for a size-independent checkpoint)")
         if args.universal:
             return plan_universal(args.path, args.out, tag=args.tag, overwrite=args.overwrite, workers=args.workers,
-                                  tp_rules=args.tp_rules, hf_files=args.hf_files, sync=args.sync)
+                                  tp_rules=args.tp_rules, hf_files=args.hf_files, sync=args.sync,
+                                  verify_crc=args.verify_crc)
         return plan_reshard(args.path, args.out, args.world_size, tag=args.tag, overwrite=args.overwrite,
-                            workers=args.workers, tp_rules=args.tp_rules, hf_files=args.hf_files, sync=args.sync)
+                            workers=args.workers, tp_rules=args.tp_rules, hf_files=args.hf_files, sync=args.sync,
+                            verify_crc=args.verify_crc)
 
     return _plan_and_run(args, make_plan, "reshard")
 
@@ -178,6 +180,11 @@ NO_SYNC_HELP = ("do not wait for the disk: the output appears as soon as it is w
                 "cut in the next seconds may leave it incomplete); by default it is on disk before it appears")
 
 
+VERIFY_CRC_HELP = ("first verify the CRC-32 torch records for every zip entry of the checkpoint that the run reads "
+                   "(torch never checks them): damaged bytes are refused, naming the file and entry; costs one more "
+                   "read of those bytes (docs/safety.md)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ckpt", description="Inspect and convert DeepSpeed ZeRO checkpoints.",
                                      formatter_class=_Formatter)
@@ -221,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true",
                    help="re-read the output and compare every tensor with the checkpoint, bit for bit (exit 1 if any "
                         "differs; with --distributed every rank compares a share)")
+    p.add_argument("--verify-crc", action="store_true", help=VERIFY_CRC_HELP)
     p.add_argument("-q", "--quiet", action="store_true",
                    help="print nothing but errors (and a failed verification); the exit code says how it went")
     p.set_defaults(func=_cmd_export)
@@ -252,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="under torchrun (one machine or several nodes, output on a shared file system): rank 0 "
                         "plans, every rank writes its share of the target files (balanced by bytes, --workers "
                         "threads each), rank 0 renames the output into place once all ranks finished (gloo)")
+    p.add_argument("--verify-crc", action="store_true", help=VERIFY_CRC_HELP)
     p.add_argument("-q", "--quiet", action="store_true",
                    help="print nothing but errors (and a failed verification); the exit code says how it went")
     p.set_defaults(func=_cmd_reshard)

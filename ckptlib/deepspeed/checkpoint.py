@@ -152,6 +152,15 @@ class Checkpoint:
             return []
         return [n for n, blocks in self.view.blocks.items() if any(b.replicas for b in blocks)]
 
+    def zip_entries(self, every: bool = False) -> dict[str, tuple]:
+        """``{path: its zip members as ZipEntry, by offset}`` of the files opened so far; with ``every``, of
+        every torch file of the tag folder (those not opened yet are opened: their pickles are read)."""
+        if every:
+            for f in self.files:
+                if f.kind != "other":
+                    self._files.get(f)
+        return {os.fspath(tf.path): tf.entries for _, tf in self._files.opened()}
+
     def opened_files(self) -> list:
         """``(FileInfo, TorchFile)`` of every file of the tag folder opened so far (the readable ones)."""
         return self._files.opened()

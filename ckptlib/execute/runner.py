@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ..errors import IncompleteCheckpointError
+from ..io.crc import describe_mismatch, verify_entries
 from ..io.output import AtomicOutputDir, reporting_failures
 from ..io.sources import SourceFiles, check_unchanged
 from ..io.streaming import first_difference, load_cast_kernels
@@ -83,6 +84,7 @@ def run(plan: Plan, observer: Optional[Observer] = None, cancel: Any = None) -> 
             check_unchanged(plan.source.stamps)
             if needs_cast_kernels(plan):  # numpy, loaded (or refused for want of memory) before anything is written
                 load_cast_kernels()
+            verify_source_crcs(plan, cancel)
             compare_copies(plan, cancel)
             with AtomicOutputDir(plan.out, source=plan.source.save_dir, overwrite=plan.overwrite,
                                  sync=plan.sync) as tmp:
@@ -98,6 +100,24 @@ def run(plan: Plan, observer: Optional[Observer] = None, cancel: Any = None) -> 
     result = finished(plan, time.perf_counter() - t0, read, watch.report)
     observer.on_finish(result)
     return result
+
+
+def verify_source_crcs(plan: Plan, cancel: Any = None) -> None:
+    """Verify the CRC-32 of the source's zip members the plan lists (``--verify-crc``) before anything is
+    written.
+
+    Raises:
+        IncompleteCheckpointError: naming every file and member whose bytes changed since they were saved.
+    """
+    if not plan.crc:
+        return
+    with SourceFiles() as files:
+        bad = verify_entries(plan.crc, files, plan.chunk_bytes, cancel=cancel)
+    if bad:
+        raise IncompleteCheckpointError(
+            "the CRC-32 of the source does not match: " + "; ".join(f"{e.path}: {describe_mismatch(e, got)}"
+                                                                   for e, got in bad), path=plan.source.tag_dir,
+            hint="copy the files named again from the original, or use another tag; nothing was written")
 
 
 def compare_copies(plan: Plan, cancel: Any = None) -> None:

@@ -66,7 +66,7 @@ class ReshardPlan(Plan):
 def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str, os.PathLike], world_size: int, *,
                  tag: Optional[str] = None, overwrite: bool = False,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, workers: Optional[int] = None, tp_rules=None,
-                 hf_files: bool = True, sync: bool = True) -> ReshardPlan:
+                 hf_files: bool = True, sync: bool = True, verify_crc: bool = False) -> ReshardPlan:
     """Plan rewriting a ZeRO-1/2/3 checkpoint for ``world_size`` data-parallel ranks (metadata only).
 
     A pipeline or tensor-parallel checkpoint keeps its stages and tensor ranks: each one's ZeRO set is
@@ -86,6 +86,9 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
 
     ``sync``: put the output on disk before it appears under its name (default); False leaves the
     writing to the kernel after the run (as DeepSpeed's own saving does; see :class:`~ckptlib.plan.Plan`).
+
+    ``verify_crc``: verify the CRC-32 of every zip member of the tag folder's torch files before writing
+    (one more read of the checkpoint; a mismatch is refused, naming the file and member).
 
     Memory: the plan (object trees whose tensors are range lists, not read yet).
     """
@@ -125,7 +128,14 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
     return ReshardPlan(source=ck.source_ref(), out=Path(out).expanduser().resolve(), world_size=world_size,
                        files=files, finals=[TextFile("latest", tag_name, kind="latest")], folders=[tag_name],
                        chunk_bytes=chunk_bytes, overwrite=overwrite, sync=sync, notes=notes,
-                       workers=workers or default_workers(), checks=replica_checks(ck))
+                       workers=workers or default_workers(), checks=replica_checks(ck),
+                       crc=every_entry(ck) if verify_crc else [])
+
+
+def every_entry(ck: Checkpoint) -> list:
+    """Every zip member of every torch file of the tag folder (what ``--verify-crc`` verifies for a reshard,
+    which reads or copies all of them)."""
+    return [e for entries in ck.zip_entries(every=True).values() for e in entries]
 
 
 def refuse_unsupported(ck: Checkpoint) -> None:
@@ -147,4 +157,4 @@ def refuse_unsupported(ck: Checkpoint) -> None:
             hint="`ckpt export` writes its full model; train with ZeRO-1 to make checkpoints that reshard")
 
 
-__all__ = ["ReshardPlan", "plan_reshard", "default_workers", "refuse_unsupported"]
+__all__ = ["ReshardPlan", "plan_reshard", "default_workers", "refuse_unsupported", "every_entry"]

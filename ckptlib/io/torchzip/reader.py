@@ -96,6 +96,18 @@ class PickleMemo:
 _UNREAD = object()  # a TorchFile's object tree that is not built yet (see PickleMemo)
 
 
+@dataclass(frozen=True, order=True)
+class ZipEntry:
+    """One member of a torch zip file, as plain data: its ``size`` bytes start at ``offset`` of ``path``, and
+    the zip directory records their CRC-32 ``crc`` (what :mod:`ckptlib.io.crc` verifies)."""
+
+    path: str
+    name: str
+    offset: int
+    size: int
+    crc: int
+
+
 class TorchFile:
     """One torch zip file, opened for metadata and ranged reads.
 
@@ -113,6 +125,7 @@ class TorchFile:
         self._fd: Optional[int] = None
         self._storages: dict[str, StorageRef] = {}
         self._memo = memo
+        self.entries: tuple = ()  # every zip member as a ZipEntry, by offset
         self._pickle: Optional[bytes] = None  # kept until the object tree is built (shared with the memo)
         self._lock = threading.Lock()
         try:
@@ -174,8 +187,16 @@ class TorchFile:
         self._members = members
         try:
             self._offsets = self._data_offsets(members, pkl[0])
+            self.entries = tuple(sorted((ZipEntry(self.path, name, self._offsets[name], v[2], v[3])
+                                         for name, v in members.items() if name in self._offsets),
+                                        key=lambda e: e.offset))
             self._check_byteorder()
             data = self._read_member(pkl[0])
+            if zlib.crc32(data) != members[pkl[0]][3]:
+                raise IncompleteCheckpointError(
+                    f"the pickle ({pkl[0]}) does not match the CRC-32 its zip directory records: the file's bytes "
+                    "changed after it was saved (a bad copy, bit rot), so its metadata cannot be trusted",
+                    path=self.path, hint="copy the file again from the original, or use another tag")
         except CkptError:
             raise
         except Exception as e:
@@ -223,9 +244,7 @@ class TorchFile:
         """Where the data of the pickle and of every storage member starts, from their local headers. Headers
         at most :data:`_NEAR` bytes apart (the empty or tiny storages of ZeRO-3 model files) are read
         together, one ``pread`` per run."""
-        data = self._prefix + "data/"
-        wanted = sorted((v[0], name) for name, v in members.items()
-                        if name == pkl or name.startswith(data) or name == self._prefix + "byteorder")
+        wanted = sorted((v[0], name) for name, v in members.items())  # every member: its CRC can be checked
         out: dict[str, int] = {}
         for start, length, headers in zipfmt.header_runs(wanted, _NEAR):
             try:
