@@ -33,7 +33,7 @@ from .scan import Problem
 @dataclass(frozen=True)
 class StatsItem:
     """One tensor to stream: ``key`` (name, or ``<state>/<name>``), ``kind`` (``trainable``, ``frozen``,
-    ``state``), stored dtype, shape, ranges; ``lowp``: the ranges of the saved 16-bit (training dtype)
+    ``state``, ``buffer``: floating buffers), stored dtype, shape, ranges; ``lowp``: the ranges of the saved 16-bit (training dtype)
     weight of a master, compared with the master cast to ``lowp_dtype``; ``replicas``: ``(what, ranges,
     replica ranges)`` for each further copy another stage or tensor rank stores (a tied layer on several
     stages, a tensor replicated across tensor ranks), which must hold the same bytes."""
@@ -142,6 +142,11 @@ def stats_items(ck: Checkpoint, states: bool = False, notes: Optional[list] = No
                              lowp=lowp, lowp_dtype=lowp_dtype, replicas=replica_pairs(ck, p.name)))
     if skipped and notes is not None:
         notes.append(f"no data saved for {', '.join(skipped)} (exclude_frozen_parameters): not checked")
+    for b in ck.buffers:  # a NaN in a running variance is a health problem too (integer buffers hold no NaN)
+        if not is_floating(b.dtype):
+            continue
+        ranges = tuple(ck.sources(b.name))
+        out.append(StatsItem(b.name, "buffer", b.dtype, tuple(b.shape), ranges, replicas=replica_pairs(ck, b.name)))
     if states and ck.optimizer:
         for key in ck.optimizer.state_keys:
             for p in ck.parameters:

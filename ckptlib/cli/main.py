@@ -41,6 +41,13 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
         return inspect_dcp(args.path, args.json)
 
+    if args.globals:
+        from ..analysis.pickles import format_globals, globals_report
+
+        report = globals_report(args.path, args.tag)
+        _say(json.dumps(report, indent=2) if args.json else format_globals(report))
+        return 1 if report["refused"] else 0
+
     with open_checkpoint(args.path, tag=args.tag, tp_rules=args.tp_rules) as ckpt:
         if args.json:
             print(json.dumps(describe(ckpt), indent=2))
@@ -199,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tag", help="tag to inspect (default: the one 'latest' names)")
     p.add_argument("--tp-rules", metavar="FILE", help=TP_RULES_HELP)
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--globals", action="store_true",
+                   help="list every global each pickle names and which ones ckptlib refuses, without running any "
+                        "(also for a checkpoint inspect refuses); exit 1 if any is refused")
     p.set_defaults(func=_cmd_inspect)
 
     p = add_parser("export", help="write consolidated weights (safetensors or torch, HF layout), streaming")

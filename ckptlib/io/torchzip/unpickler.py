@@ -160,6 +160,14 @@ class StorageClass(str):
 _STORAGE_CLASSES = {cls: StorageClass(d.name) for cls, d in BY_STORAGE_CLASS.items()}
 
 
+def allowed_global(module: str, name: str) -> bool:
+    """Whether :class:`SafeUnpickler` resolves the global ``module.name`` (to an inert stand-in or a tensor
+    rebuild); every other global is refused."""
+    if (module, name) in _ALLOWED:
+        return True
+    return module == "torch" and (name in _STORAGE_CLASSES or name in BY_NAME)
+
+
 class SafeUnpickler(pickle.Unpickler):
     """Unpickles a torch ``data.pkl`` without running code from it.
 
