@@ -200,14 +200,22 @@ def test_a_replicated_tensor_that_differs_between_tensor_ranks_is_an_error(pfx, 
     d = _copy(fx, tmp_path)
     with ckptlib.open_checkpoint(d) as ck:  # where tensor rank 1 keeps its copy of ln1.weight
         r = ck.sets[1].sources("ln1.weight")[0]
-    with open(r.path, "r+b") as f:
+    from tests.hostile import write_consistent
+
+    with open(r.path, "rb") as f:  # a value saved as it is (CRC-32 updated), so only the comparison can tell
         f.seek(r.offset)
         b = f.read(1)
-        f.seek(r.offset)
-        f.write(bytes([b[0] ^ 0x10]))
+    write_consistent(r.path, r.offset, bytes([b[0] ^ 0x10]))
     with pytest.raises(ckptlib.CkptError, match="ln1.weight"):
         ckptlib.export(d, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+    for universal in (False, True):  # reshard and the universal checkpoint run the same checks (issue 21)
+        with pytest.raises(ckptlib.CkptError, match="ln1.weight.*differ"):
+            if universal:
+                ckptlib.write_universal(d, tmp_path / "out")
+            else:
+                ckptlib.reshard(d, tmp_path / "out", 1)
+        assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("case", ["missing_layer_file", "missing_tp_optimizer_file", "expert_file_of_another_run",

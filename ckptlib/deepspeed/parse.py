@@ -124,8 +124,14 @@ def _stage_and_flavor(rec: Records, fs: OpenedFiles, optim_files: list, first_op
         return
     if first_optim is None:
         broken = "; ".join(f"{f.path.name} ({_reason(fs, f)})" for f in optim_files)
-        raise IncompleteCheckpointError(f"none of the {len(optim_files)} optimizer-state files can be read: {broken}",
-                                        path=fs.location.tag_dir)
+        have = {f.dp_rank for f in optim_files if f.dp_rank is not None}
+        like = optim_files[0]
+        missing = [fnames.optim_states_name(r, like.mp_rank or 0, like.prefix)
+                   for r in range(rec.dp_world_size or 0) if r not in have]
+        raise IncompleteCheckpointError(
+            f"none of the {len(optim_files)} optimizer-state files can be read: {broken}"
+            + (f"; and missing: {', '.join(missing)} (the model-states file says {rec.dp_world_size} ranks)"
+               if missing else ""), path=fs.location.tag_dir)
     if "zero_stage" in first_optim:
         rec.zero_stage, rec.flavor = int(first_optim["zero_stage"]), ZERO
     elif "single_partition_of_fp32_groups" in first_optim:

@@ -70,7 +70,7 @@ def build_zero12(rec: Records, model: dict, model_file: FileInfo, optim_files: l
         if rec.partition_count is not None and r >= rec.partition_count:
             continue  # an extra file, reported as such
         if not isinstance(parts, (list, tuple)) or len(parts) != len(rec.layouts):
-            rec.problems.append(f"rank {r}: '{key}' has {len(parts) if parts is not None else 'no'} groups, "
+            rec.problems.append(f"{_who(optim_files, r)}: '{key}' has {len(parts) if parts is not None else 'no'} groups, "
                                 f"param_shapes has {len(rec.layouts)}")
             continue
         for g, (t, lay) in enumerate(zip(parts, rec.layouts)):
@@ -79,7 +79,7 @@ def build_zero12(rec: Records, model: dict, model_file: FileInfo, optim_files: l
             if not isinstance(t, TensorHandle) or t.numel != want:
                 got = t.numel if isinstance(t, TensorHandle) else type(t).__name__
                 rec.problems.append(
-                    f"rank {r} group {g}: the fp32 partition holds {got} elements, but {want} are expected "
+                    f"{_who(optim_files, r)} group {g}: the fp32 partition holds {got} elements, but {want} are expected "
                     f"from param_shapes at {lay.world_size} ranks (element counts do not add up)")
     trainable = {}
     for g, group in enumerate(param_shapes):
@@ -160,7 +160,7 @@ def build_zero3(rec: Records, fs: OpenedFiles, model: dict, model_files: list[Fi
         if r >= n:
             continue  # an extra file, reported as such
         if not isinstance(flats, (list, tuple)) or len(flats) != len(layout.sub_group_sizes):
-            rec.problems.append(f"rank {r}: 'fp32_flat_groups' has {len(flats) if flats else 'no'} sub-groups, "
+            rec.problems.append(f"{_who(optim_files, r)}: 'fp32_flat_groups' has {len(flats) if flats else 'no'} sub-groups, "
                                 f"param_shapes has {len(layout.sub_group_sizes)}")
             continue
         for k, (t, want) in enumerate(zip(flats, layout.sub_group_sizes)):
@@ -169,7 +169,7 @@ def build_zero3(rec: Records, fs: OpenedFiles, model: dict, model_files: list[Fi
                 if isinstance(t, TensorHandle) and t.numel == 0 and want:
                     empties.setdefault(r, {})[k] = t  # swapped to NVMe: its swap files are matched below
                 else:
-                    rec.problems.append(f"rank {r} sub-group {k}: the fp32 partition holds {got} elements, "
+                    rec.problems.append(f"{_who(optim_files, r)} sub-group {k}: the fp32 partition holds {got} elements, "
                                         f"{want} are expected from param_shapes at {n} ranks")
     if empties:
         _swapped_partitions(rec, fs, model, layout, empties)
@@ -285,6 +285,13 @@ def check_rank_files(rec: Records, files: list[FileInfo], n: Optional[int], what
                             "from another run: move it out of the tag folder")
     if rec.dp_world_size is not None and rec.dp_world_size != n:
         rec.problems.append(f"partition_count {n} differs from the model file's dp_world_size {rec.dp_world_size}")
+
+
+def _who(files: list[FileInfo], rank: int) -> str:
+    """``"global_step2/zero_pp_rank_1_mp_rank_00_optim_states.pt (dp rank 1)"``: the file of ``rank`` as the user
+    sees it, for messages (``rank 1`` when there is no such file)."""
+    f = next((f for f in files if f.dp_rank == rank), None)
+    return f"{f.relpath} (dp rank {rank})" if f is not None else f"rank {rank}"
 
 
 def _rank_file_name(files: list[FileInfo], rank: int) -> str:
