@@ -17,18 +17,18 @@ small hierarchy so callers can catch :class:`CkptError` for everything, or a spe
 from __future__ import annotations
 
 import os
-import unicodedata
 
 
 def printable(text: str, limit: int = 0) -> str:
     """``text`` safe to print on a terminal: control and formatting characters (escape sequences, carriage
-    returns, bidirectional overrides) written as ``\\xNN`` / ``\\uNNNN`` escapes, and cut to ``limit``
-    characters (0: no limit). Names of files and the contents of ``latest`` come from the checkpoint."""
+    returns, bidirectional overrides: everything ``str.isprintable`` rejects) written as ``\\xNN`` /
+    ``\\uNNNN`` escapes, and cut to ``limit`` characters (0: no limit). Names of files and the contents of
+    ``latest`` come from the checkpoint."""
     out = []
     for ch in str(text):
-        if ch.isprintable() or (ch == " "):
+        if ch.isprintable():
             out.append(ch)
-        elif unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp") or not ch.isprintable():
+        else:
             code = ord(ch)
             out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}")
     s = "".join(out)

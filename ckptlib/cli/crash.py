@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 import time
-import traceback
 from typing import Optional, Sequence
 
 from ..errors import printable
@@ -31,6 +29,9 @@ REPORT_DIR_ENV = "CKPTLIB_CRASH_DIR"  # where the traceback files go (default: t
 def crash_file(exc: BaseException, argv: Optional[Sequence[str]]) -> Optional[str]:
     """Write the traceback of ``exc`` with the versions and the command line to a new file; its path, or
     None if no file could be written."""
+    import tempfile  # only when ckptlib failed: the command line starts without them
+    import traceback
+
     from .. import __version__
 
     folder = os.environ.get(REPORT_DIR_ENV) or tempfile.gettempdir()
