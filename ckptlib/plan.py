@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Optional
 
 from .dtypes import Shaped
-from .layout.ranges import stored_bytes
+from .layout.ranges import numel, stored_bytes
 from .units import human_bytes
 
 THREADS, PROCESSES = "threads", "processes"
@@ -70,6 +70,11 @@ class PlannedTensor(Shaped):
     shape: tuple
     dtype: str                # output dtype name
     ranges: tuple = field(default=(), repr=False)
+
+    def __post_init__(self):  # every element written is accounted for by the plan's sources (exact or refuse)
+        if numel(self.ranges) != self.numel:
+            raise ValueError(f"planned tensor {self.name} of shape {list(self.shape)} has {self.numel} elements; its "
+                             f"source ranges hold {numel(self.ranges)}")
 
     @property
     def read_bytes(self) -> int:

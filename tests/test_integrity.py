@@ -55,6 +55,7 @@ def test_rank_file_of_another_world_size(fixture_by_name, tmp_path):
     shutil.copy(src, next(tag.glob("*zero_pp_rank_1_*optim_states.pt")))
     problems = json.loads(_inspect(ckpt).stdout)["problems"]
     assert any("do not add up" in p and "rank 1" in p for p in problems), problems
+    assert any(p.startswith(f"global_step2/{src.name} (dp rank 1) group") for p in problems), problems  # the file
 
 
 def test_truncated_rank_file(fixture_by_name, tmp_path):
