@@ -6,6 +6,7 @@ small hierarchy so callers can catch :class:`CkptError` for everything, or a spe
 - :class:`CkptError` — base class.
   - :class:`NotACheckpointError` — the path holds no DeepSpeed checkpoint (also a ``FileNotFoundError``).
   - :class:`IncompleteCheckpointError` — files are missing, extra, truncated or inconsistent.
+    - :class:`MissingEntryError` — an entry the metadata promises is not in the file (also a ``KeyError``).
   - :class:`UnsupportedCheckpointError` — a real checkpoint of a kind ckptlib cannot handle (yet).
   - :class:`UnsafeCheckpointError` — a pickle asks for code ckptlib will not run.
   - :class:`OutputError` — a problem with the output location (exists, inside the source, disk full).
@@ -16,6 +17,22 @@ small hierarchy so callers can catch :class:`CkptError` for everything, or a spe
 from __future__ import annotations
 
 import os
+
+
+def printable(text: str, limit: int = 0) -> str:
+    """``text`` safe to print on a terminal: control and formatting characters (escape sequences, carriage
+    returns, bidirectional overrides: everything ``str.isprintable`` rejects) written as ``\\xNN`` /
+    ``\\uNNNN`` escapes, and cut to ``limit`` characters (0: no limit). Names of files and the contents of
+    ``latest`` come from the checkpoint."""
+    out = []
+    for ch in str(text):
+        if ch.isprintable():
+            out.append(ch)
+        else:
+            code = ord(ch)
+            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}")
+    s = "".join(out)
+    return s if not limit or len(s) <= limit else s[:limit] + "..."
 
 
 class CkptError(Exception):
@@ -36,10 +53,10 @@ class CkptError(Exception):
         self.hint = hint or self.default_hint
         super().__init__(self.__str__())
 
-    def __str__(self) -> str:  # one readable line (two with a hint)
-        text = f"{self.path}: {self.message}" if self.path else self.message
+    def __str__(self) -> str:  # one readable line (two with a hint); nothing from a file reaches the terminal raw
+        text = f"{printable(self.path)}: {printable(self.message)}" if self.path else printable(self.message)
         if self.hint:
-            text += f"\n  hint: {self.hint}"
+            text += f"\n  hint: {printable(self.hint)}"
         return text
 
 
@@ -54,6 +71,11 @@ class IncompleteCheckpointError(CkptError, ValueError):
     """A checkpoint whose files are missing, extra, truncated or do not add up."""
 
     default_hint = "restore the files named from a copy, or use another tag (--tag); `ckpt inspect` lists all problems"
+
+
+class MissingEntryError(IncompleteCheckpointError, KeyError):
+    """An entry the checkpoint's own metadata says is there is not (e.g. an optimizer state of one rank);
+    also a ``KeyError``, for callers that look entries up."""
 
 
 class UnsupportedCheckpointError(CkptError, ValueError):

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Optional
 
 from .dtypes import Shaped
-from .layout.ranges import stored_bytes
+from .layout.ranges import numel, stored_bytes
 from .units import human_bytes
 
 THREADS, PROCESSES = "threads", "processes"
@@ -70,6 +70,11 @@ class PlannedTensor(Shaped):
     shape: tuple
     dtype: str                # output dtype name
     ranges: tuple = field(default=(), repr=False)
+
+    def __post_init__(self):  # every element written is accounted for by the plan's sources (exact or refuse)
+        if numel(self.ranges) != self.numel:
+            raise ValueError(f"planned tensor {self.name} of shape {list(self.shape)} has {self.numel} elements; its "
+                             f"source ranges hold {numel(self.ranges)}")
 
     @property
     def read_bytes(self) -> int:
@@ -225,10 +230,12 @@ class Plan:
     sync: bool = True
     notes: list = field(default_factory=list)
     checks: list = field(default_factory=list)
+    crc: list = field(default_factory=list)  # zip members of the source whose CRC-32 a run verifies first
 
     @property
     def read_bytes(self) -> int:
-        return sum(f.read_bytes for f in self.files) + sum(c.read_bytes for c in self.checks)
+        return sum(f.read_bytes for f in self.files) + sum(c.read_bytes for c in self.checks) + \
+            sum(e.size for e in self.crc)
 
     @property
     def write_bytes(self) -> int:
@@ -255,6 +262,9 @@ class Plan:
         lines = [f"{self.reads_text()}; {self.writes_text()}",
                  f"predicted peak memory: {human_bytes(self.predicted_peak_bytes)} ({who}, "
                  f"{human_bytes(self.chunk_bytes)} chunks; independent of the model size)"]
+        if self.crc:
+            lines.append(f"verifies the CRC-32 of {len(self.crc)} zip entries of the source before writing "
+                         f"({human_bytes(sum(e.size for e in self.crc))} read for it)")
         if not self.sync:
             lines.append("not synced: the output appears when written; the kernel puts it on disk after the run")
         return lines

@@ -35,3 +35,32 @@ def write_torch_zip(path: Path, data_pkl: bytes, prefix: str = "archive") -> Pat
         z.writestr(f"{prefix}/byteorder", "little")
         z.writestr(f"{prefix}/version", "3\n")
     return path
+
+
+def write_consistent(path, offset: int, data: bytes) -> None:
+    """Write ``data`` at ``offset`` of the torch zip file ``path`` and update the CRC-32 of the zip member it
+    lies in (local header and central directory), as if the file had been saved with these bytes: a value
+    training produced (a NaN, a negative moment), not damage after saving."""
+    import struct
+    import zlib
+
+    from ckptlib.io.torchzip import zipfmt
+
+    raw = bytearray(Path(path).read_bytes())
+    raw[offset:offset + len(data)] = data
+    n = min(len(raw), zipfmt.END_SEARCH)
+    d = zipfmt.find_directory(bytes(raw[-n:]), len(raw) - n)
+    pos = d.offset + d.shift
+    for _ in range(d.count):
+        _, _, _, _, _, size, nlen, xlen, clen, head = zipfmt._CENTRAL_FIELDS.unpack_from(raw, pos)
+        head += d.shift
+        start = head + 30 + sum(struct.unpack_from("<HH", raw, head + 26))
+        if start <= offset < start + size:
+            crc = zlib.crc32(bytes(raw[start:start + size]))
+            struct.pack_into("<I", raw, head + 14, crc)
+            struct.pack_into("<I", raw, pos + 16, crc)
+            break
+        pos += 46 + nlen + xlen + clen
+    else:
+        raise ValueError(f"offset {offset} lies in no member of {path}")
+    Path(path).write_bytes(bytes(raw))

@@ -128,7 +128,7 @@ def case_nvme_offload(fx, d):
         save(obj, f.with_suffix(".tmp"))
         f.with_suffix(".tmp").replace(f)
     (d / "global_step2" / "offloaded_tensors" / "rank00").mkdir(parents=True)
-    return d, ["offloaded", "not supported yet"]
+    return d, ["offloaded_tensors", "swap file"]  # swapped sub-groups without their swap files (NVMe reading landed)
 
 
 def case_moe_expert_files(fx, d):
@@ -232,3 +232,117 @@ def test_full_disk(fixture_by_name, tmp_path, cmd):
     assert "nothing was created" in r.stderr and "hint:" in r.stderr and "Traceback" not in r.stderr
     assert os.listdir(tmp_path) == []
     assert tree_hash(src) == before
+
+
+# ------------------------------------------------------------------------------- cases of issue 21
+def _edit(f: Path, change) -> None:
+    """Rewrite torch file ``f`` with its object tree changed by ``change`` (ckptlib's writer; bytes of the
+    tensors unchanged, the archive named after ``f``)."""
+    obj = open_torch_file(f).obj
+    change(obj)
+    tmp = f.with_name(f.stem + ".tmp.pt")
+    save(obj, tmp, archive=f.stem)
+    tmp.replace(f)
+
+
+def case_latest_is_a_link_to_a_system_file(fx, d):
+    (d / "latest").unlink()
+    (d / "latest").symlink_to("/etc/passwd")
+    return d, ["latest", "symbolic link", "--tag"]
+
+
+def case_latest_with_control_characters(fx, d):
+    (d / "latest").write_bytes(b"global_step2\x1b[2J\x07")
+    return d, ["latest", "\\x1b[2J\\x07", "does not hold a tag name"]
+
+
+def case_zip_entry_name_not_utf8(fx, d):
+    f = optim(d / "global_step2", 1)
+    raw = bytearray(f.read_bytes())
+    cd = raw.rfind(b"PK\x01\x02")  # the last central directory entry: flip a byte of its name
+    raw[cd + 46 + 3] = 0xFF
+    f.write_bytes(bytes(raw))
+    return d, [f.name, "not valid UTF-8"]
+
+
+def case_param_shapes_of_another_run(fx, d):
+    f = d / "global_step2" / "mp_rank_00_model_states.pt"
+    _edit(f, lambda obj: obj["param_shapes"][0].popitem())
+    return d, ["not of one save", "param_alignment_paddings"]
+
+
+def case_fragment_outside_its_storage(fx, d):
+    f = optim(d / "global_step2", 1)
+
+    def reach(obj):
+        t = obj["optimizer_state_dict"]["single_partition_of_fp32_groups"][0]
+        t.storage_offset = t.storage.numel - t.shape[0] + 5
+    _edit(f, reach)
+    return d, [f.name, "reaches element", "storage"]
+
+
+def case_missing_optimizer_state(fx, d):
+    f = optim(d / "global_step2", 1)
+    _edit(f, lambda obj: obj["optimizer_state_dict"]["base_optimizer_state"]["state"][0].pop("exp_avg_sq"))
+    return d, [f.name, "exp_avg_sq"]
+
+
+def case_damaged_fragment_address(fx, d):
+    f = optim(d / "global_step2", 1)
+
+    def damage(obj):
+        mapping = obj["optimizer_state_dict"]["param_slice_mappings"][0]
+        mapping[next(iter(mapping))] = 7
+    _edit(f, damage)
+    return d, [f.name, "param_slice_mappings"]
+
+
+def case_big_endian_tensors(fx, d):
+    import zipfile
+
+    f = optim(d / "global_step2", 0)
+    src = f.with_name("src.zip")
+    f.rename(src)
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(f, "w", zipfile.ZIP_STORED) as z:
+        for info in zin.infolist():
+            z.writestr(info.filename, b"big" if info.filename.endswith("/byteorder") else zin.read(info.filename))
+    src.unlink()
+    return d, [f.name, "'big'-endian"]
+
+
+def case_swapped_rank_files(fx, d):
+    a, b = optim(d / "global_step2", 0), optim(d / "global_step2", 1)
+    ra, rb = a.read_bytes(), b.read_bytes()
+    a.write_bytes(rb)
+    b.write_bytes(ra)
+    return d, [a.name, b.name, "saved as"]
+
+
+MORE = [case_latest_is_a_link_to_a_system_file, case_latest_with_control_characters, case_zip_entry_name_not_utf8,
+        case_param_shapes_of_another_run, case_fragment_outside_its_storage, case_missing_optimizer_state,
+        case_damaged_fragment_address, case_big_endian_tensors, case_swapped_rank_files]
+
+
+@pytest.mark.parametrize("case", MORE, ids=[c.__name__[5:] for c in MORE])
+def test_issue21_inputs_are_one_message_naming_the_file(case, fixture_by_name, tmp_path):
+    """Each of these was a traceback, a raw terminal echo or a silent exit 0 (issue 21): now every command
+    that cannot be exact says so in one message naming the file (exit 2), or lists it as a problem (inspect,
+    check: exit 1); nothing is written, the source is unchanged, no control character reaches the terminal."""
+    d = copy_fixture(fixture_by_name("z2_bf16_w3"), tmp_path / "ckpt")
+    path, words = case(None, d)
+    before = tree_hash(path)
+    out = tmp_path / "out"
+    for cmd in (["inspect", path], ["export", path, out], ["reshard", path, out, "--world-size", "2"],
+                ["reshard", path, out, "--universal"], ["check", path, "--states"]):
+        code, stdout, err = run_cli(*cmd)
+        assert code in (1, 2), (cmd[0], code, stdout, err)
+        assert "Traceback" not in stdout + err and "\x1b" not in stdout + err and "root:" not in stdout + err
+        text = err if code == 2 else stdout
+        if code == 2:
+            assert err.count("error:") == 1 and "hint:" in err, err
+        else:
+            assert cmd[0] in ("inspect", "check"), (cmd[0], stdout)
+        for w in words:
+            assert w in text, (cmd[0], w, text)
+        assert not out.exists()
+    assert tree_hash(path) == before

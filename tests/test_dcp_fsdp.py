@@ -25,6 +25,7 @@ FIXTURE_CASES = [("z1_fp32_w2", 1), ("z3_bf16_w2", 1), ("bf16opt_w2", 1),
 PARALLEL_CASES = [("pp2_dp2_z1_bf16", 1), ("tp2_dp2_z2_fp32", 1), ("tp2_dp2_z1_bf16", 2), ("pp2_dp2_z1_fp32", 2),
                   ("pp2_dp2_bf16opt", 3), ("tp2_dp2_z2_bf16", 3)]
 TITAN_CASES = [("z2_bf16_w2", 2), ("z3_fp32_w3", 3)]
+SAVED_CASES = [("z2_bf16_w3", 2), ("z3_bf16_w4", 3)]  # FSDP2 saves what it loaded: uneven Shard(0) chunks at 3 ranks
 ACCELERATE_CASES = [("z1_bf16_w3", 2), ("z3_bf16_w2", 1)]
 
 
@@ -45,7 +46,8 @@ def runs(fixture_by_name, parallel_fixtures, tmp_path_factory):
         out = work / name
         ckptlib.export(fx["checkpoint_path"], out, format="dcp", dcp={"optimizer": True})
         jobs[m].append({"name": f"{name}@{m}", "dcp": out, "model": "fixture", "groups": groups, "step": True,
-                        "mixed": "bf16" if fx["dtype"] == "bf16" else None})
+                        "mixed": "bf16" if fx["dtype"] == "bf16" else None,
+                        "save": str(work / f"{name}@{m}-saved") if (name, m) in SAVED_CASES else None})
         ds_jobs[fx["world_size"]].append(job_for_fixture(fx, name=f"{name}@orig"))
     for name, m in TITAN_CASES:
         fx = fixture_by_name(name)
@@ -69,7 +71,7 @@ def runs(fixture_by_name, parallel_fixtures, tmp_path_factory):
         ckptlib.export(ck, out, format="dcp", dcp={"optimizer": True})
         jobs[m].append({"name": f"{name}@{m}", "dcp": out, "model": "named", "shapes": shapes, "buffers": buffers,
                         "frozen": sorted(frozen), "groups": _groups_of(shapes, frozen)})
-    results = {}
+    results = {"saved": {j["name"]: j["save"] for js in jobs.values() for j in js if j.get("save")}}
     for world, js in sorted(jobs.items()):
         results.update(run_fsdp_loads(js, world, work / f"fsdp-w{world}"))
     for world, js in sorted(ds_jobs.items()):
@@ -156,3 +158,37 @@ def test_accelerates_fsdp2_loading_reads_the_accelerate_layout(runs, fixture_by_
     got = runs[f"{name}@{m}-accelerate"]
     assert "error" not in got, got.get("error")
     _exact(got["loaded"], ref["fp32"], ref["optim"], ref["step"])
+
+
+@pytest.mark.parametrize("name,m", SAVED_CASES, ids=[f"{n}->fsdp{m}-saved" for n, m in SAVED_CASES])
+def test_what_fsdp2_saves_reads_back_in_ckptlib_equal_to_the_deepspeed_checkpoint(runs, fixture_by_name, tmp_path,
+                                                                                 name, m):
+    """The loop closed: DeepSpeed -> ckptlib's DCP -> FSDP2 at m ranks -> FSDP2's own dcp.save (each tensor in
+    m row chunks) -> ckptlib reads it: every master and moment the same as the DeepSpeed checkpoint's, and
+    its export to safetensors holds the checkpoint's export's bits."""
+    from ckptlib.dcp import open_dcp
+
+    fx = fixture_by_name(name)
+    got = runs[f"{name}@{m}"]
+    assert "error" not in got, got.get("error")
+    folder = runs["saved"][f"{name}@{m}"]
+    d = open_dcp(folder)
+    assert d.layout == "torch" and max(len(t.entry.chunks) for t in d.tensors.values()) == m
+    result = ckptlib.diff(fx["checkpoint_path"], folder, states=True)
+    assert len(result.tensors) == 17 + 2 * 11 and all(t.status == "same" for t in result.tensors)
+    _exports_hold_the_same_bits(folder, fx["checkpoint_path"], tmp_path)
+
+
+def _exports_hold_the_same_bits(dcp_folder, checkpoint, tmp_path) -> None:
+    """Both exported to safetensors: every tensor the same dtype, shape and bits (the files' order of
+    tensors is each source's: FSDP2's metadata lists them in its own order)."""
+    from safetensors.torch import load_file
+
+    ckptlib.export(dcp_folder, tmp_path / "a", states=("exp_avg", "exp_avg_sq"))
+    ckptlib.export(checkpoint, tmp_path / "b", states=("exp_avg", "exp_avg_sq"), hf_files=False)
+    for f in ("model.safetensors", "exp_avg/model.safetensors", "exp_avg_sq/model.safetensors"):
+        a, b = load_file(tmp_path / "a" / f), load_file(tmp_path / "b" / f)
+        assert sorted(a) == sorted(b), f
+        for k in a:
+            assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, (f, k)
+            assert torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)), (f, k)

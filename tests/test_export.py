@@ -1,4 +1,5 @@
 """Consolidated export: bit-exact, loadable, sharded, atomic, parallel; against DeepSpeed's converter."""
+import dataclasses
 import json
 import os
 import signal
@@ -96,7 +97,7 @@ def test_half_dtypes_equal_torch_casts(fixture_by_name, tmp_path):
 
 
 def test_states_equal_the_engines_optimizer_state(fixture_by_name, tmp_path):
-    for name in ("z1_bf16_w3", "z2_roundrobin_w2", "z3_subgroup_w3", "bf16opt_w2", "z0_fp16_w2", "z0_fp32_w2"):
+    for name in ("z1_bf16_w3", "z2_roundrobin_w2", "z3_subgroup_w3", "bf16opt_w2", "z0_fp16_w2"):
         fx = fixture_by_name(name)
         ref = torch.load(fx["path"] / "reference.pt", weights_only=True)
         for fmt in ("safetensors", "torch"):
@@ -250,3 +251,54 @@ def test_memory_is_bounded_by_the_buffers_not_the_tensors(fixture_by_name, tmp_p
     grown = anon_growth("ckptlib.export.export", fx["checkpoint_path"], tmp_path, chunk_bytes=1 << 18)
     largest = max(p.numel() * 4 for p in FixtureNet("large").parameters())
     assert grown < largest / 2, (grown, largest)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_every_tensor_is_aligned_to_its_element_size(fixture_by_name, tmp_path, dtype):
+    """The fixture's model has int64, bool and float buffers (a 3-element bool mask among them) and bf16
+    weights; exported at fp32 and bf16, with the optimizer states, in shards: every tensor of every
+    safetensors file starts at a multiple of its element size, and the files still load exactly."""
+    from ckptlib.dtypes import itemsize
+    from ckptlib.io.stformat import read_header
+
+    fx = fixture_by_name("z2_bf16_w2")
+    out = tmp_path / "out"
+    export(fx["checkpoint_path"], out, dtype=dtype, states=("exp_avg",), max_shard_size="20KB")
+    files = sorted(out.rglob("*.safetensors"))
+    assert len(files) > 2
+    kinds = set()
+    for f in files:
+        _, tensors = read_header(f)
+        for t in tensors:
+            assert t.offset % itemsize(t.dtype) == 0, (f.name, t.name, t.dtype, t.offset)
+            kinds.add(t.dtype)
+    assert {"bool", "int64"} <= kinds and ("bfloat16" in kinds) == (dtype == "bf16")
+    check_against_reference(load_output(out, "safetensors"), fx, torch.float32 if dtype == "fp32" else torch.bfloat16)
+
+
+def test_zero0_entries_that_could_be_another_parameter_are_proven_or_refused(fixture_by_name, tmp_path):
+    """ZeRO-0 names nothing: the fixture's frozen.weight (33, 33) and frozen.bias (33,) have the shapes of
+    trainable parameters, so which ones the optimizer's entries are follows from module order only if the
+    frozen ones are not in a group. With 16-bit training the saved weights prove it (each is its master
+    rounded; compared before writing); in fp32 the weights are exact either way (the module holds them), but
+    an optimizer state could be either parameter's, and is refused."""
+    fx = fixture_by_name("z0_fp32_w2")
+    ref = torch.load(fx["path"] / "reference.pt", weights_only=True)
+    with pytest.raises(ckptlib.UnsupportedCheckpointError, match="ZeRO-0 records no names: optimizer group 0 entry"):
+        export(fx["checkpoint_path"], tmp_path / "states", states=["exp_avg"])
+    assert not (tmp_path / "states").exists()
+    export(fx["checkpoint_path"], tmp_path / "weights")
+    check_against_reference(load_output(tmp_path / "weights", "safetensors"), fx)
+    fx = fixture_by_name("z0_bf16_w2")
+    plan = plan_export(fx["checkpoint_path"], tmp_path / "bf16", states=["exp_avg"])
+    assert sum("its fp32 master (optimizer group" in c.what for c in plan.checks) == 4
+    assert any("frozen.weight, frozen.bias in no optimizer group" in n for n in plan.notes)
+    export(plan)
+    check_against_reference(load_output(tmp_path / "bf16", "safetensors"), fx)
+    bad = plan.checks[0]  # were fc1.weight's entry frozen.weight's: refused before anything is written
+    assert bad.what.startswith("fc1.weight: ") and "frozen.weight has the same shape" in bad.what
+    with ckptlib.open_checkpoint(fx["checkpoint_path"]) as ck:
+        plan.checks[0] = type(bad)(bad.what, bad.a, tuple(ck.module_tensor("frozen.weight").ranges()), bad.dtype)
+    with pytest.raises(ckptlib.IncompleteCheckpointError, match="the optimizer entry is not this parameter"):
+        export(dataclasses.replace(plan, out=tmp_path / "bad"))
+    assert not (tmp_path / "bad").exists()

@@ -29,8 +29,23 @@ def test_safetensors_layout_is_what_the_safetensors_package_reads(tmp_path):
     assert layout.data_start % 8 == 0 and path.stat().st_size == layout.file_size
     meta, infos = read_header(path)
     assert meta == {"format": "pt", "step": "3"}
-    assert [(t.name, t.dtype, t.shape, t.offset) for t in infos] == \
-        [(k, dtypes.name_of(v.dtype), tuple(v.shape), layout.tensor_offset(k)) for k, v in ts.items()]
+    assert sorted((t.name, t.dtype, t.shape, t.offset) for t in infos) == \
+        sorted((k, dtypes.name_of(v.dtype), tuple(v.shape), layout.tensor_offset(k)) for k, v in ts.items())
+    assert [t.name for t in infos] == ["b.i", "a", "e", "c", "m"]  # widest element first, else as given
+
+
+def test_every_safetensors_offset_is_a_multiple_of_the_element_size():
+    """A 3-byte bool buffer first, then odd-sized 16-bit and 8-byte tensors: laid out in the given order
+    the float32 tensors after it would start at odd offsets (zero-copy readers refuse them)."""
+    specs = [TensorSpec("mask", "bool", (3,)), TensorSpec("w", "float32", (5,)), TensorSpec("h", "bfloat16", (3,)),
+             TensorSpec("n", "int64", (1,)), TensorSpec("f", "float16", (1,)), TensorSpec("d", "float64", (2,)),
+             TensorSpec("b", "uint8", (1,)), TensorSpec("x", "float32", (1,))]
+    layout = SafetensorsLayout(specs)
+    assert layout.data_start % 8 == 0
+    for t in specs:
+        assert layout.tensor_offset(t.name) % dtypes.itemsize(t.dtype) == 0, t
+    header = json.loads(layout.header[8:])
+    assert [k for k in header if k != "__metadata__"] == ["n", "d", "w", "x", "h", "f", "mask", "b"]
 
 
 def test_safetensors_refuses_what_it_cannot_hold_and_bad_headers(tmp_path):

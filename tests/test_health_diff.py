@@ -84,8 +84,11 @@ def test_statistics_equal_torchs_on_the_references(fixture_by_name, name, chunk_
     for n, want in ref["frozen"].items():
         if not fx["exclude_frozen"]:
             _same_stats(got[n], want.float())
+    floating = {n: b for n, b in ref["buffers"].items() if b.is_floating_point()}
+    for n, want in floating.items():  # float buffers too (a NaN in a running variance is a problem)
+        _same_stats(got[n], want.float())
     assert set(got) == set(ref["fp32"]) | {f"{k}/{n}" for n in ref["fp32"] for k in ("exp_avg", "exp_avg_sq")} \
-        | (set() if fx["exclude_frozen"] else set(ref["frozen"]))
+        | (set() if fx["exclude_frozen"] else set(ref["frozen"])) | set(floating)
     if fx["zero_stage"] or fx["optimizer_class"] == "BF16_Optimizer":  # stage 0: one optimizer, no ranks to compare
         assert set(result.steps.values()) == {float(ref["step"])} and len(result.steps) >= fx["world_size"]
     assert result.memory.peak_added <= plan.predicted_peak_bytes
@@ -139,9 +142,10 @@ def _copy(fx, dst: Path) -> Path:
 
 
 def _write(path: str, offset: int, fmt: str, value) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        f.write(struct.pack(fmt, value))
+    """A value saved as it is (its zip member's CRC-32 updated): what training wrote, not damage."""
+    from tests.hostile import write_consistent
+
+    write_consistent(path, offset, struct.pack(fmt, value))
 
 
 def _piece_on(ck, rank: int):
@@ -187,11 +191,12 @@ def test_a_changed_16_bit_weight_in_the_model_file_is_found(fixture_by_name, tmp
     dst = _copy(fixture_by_name("z2_bf16_w3"), tmp_path / "ckpt")
     with ckptlib.open_checkpoint(dst) as ck:
         r = ck.module_tensor("fc2.weight").ranges()[0]
-    with open(r.path, "r+b") as f:  # flip a low mantissa bit of one bf16 element
+    with open(r.path, "rb") as f:  # flip a low mantissa bit of one bf16 element, saved so (CRC-32 updated)
         f.seek(r.offset + 2 * 5)
         b = f.read(1)
-        f.seek(r.offset + 2 * 5)
-        f.write(bytes([b[0] ^ 0x01]))
+    from tests.hostile import write_consistent
+
+    write_consistent(r.path, r.offset + 2 * 5, bytes([b[0] ^ 0x01]))
     code, problems = _problems(dst)
     assert code == 1 and len(problems) == 1, problems
     p = problems[0]
@@ -387,3 +392,29 @@ def test_health_and_diff_views(nan_copy, tmp_path):
     dv.status.value = "all"
     assert "embed.weight" in dv.table.value
     assert diff_figure(d).get_axes() and dv.figure.value[:4] == b"\x89PNG"
+
+
+def test_a_nan_in_a_float_buffer_is_found(fixture_by_name, tmp_path):
+    dst = _copy(fixture_by_name("z2_bf16_w2"), tmp_path / "ckpt")
+    with ckptlib.open_checkpoint(dst) as ck:
+        b = next(b for b in ck.buffers if b.dtype == "float32")
+        r = ck.sources(b.name)[0]
+    _write(r.path, r.offset, "<f", float("nan"))
+    code, problems = _problems(dst)
+    assert code == 1 and [p["tensor"] for p in problems] == [b.name], problems
+    assert "1 NaN and 0 Inf" in problems[0]["what"] and problems[0]["file"].endswith("mp_rank_00_model_states.pt")
+
+
+def test_diff_marks_tied_aliases_and_leaves_unknown_norms_null(fixture_by_name):
+    """head.weight is a tied alias of embed.weight: it changes with it and says so; tensors whose bytes are
+    identical are passed over, so their norm is unknown (null), never 0.0."""
+    a, b = fixture_by_name("z2_bf16_w2")["checkpoint_path"], fixture_by_name("z2_fp32_w2")["checkpoint_path"]
+    code, out = _cli("diff", a, b, "--json")
+    report = _strict_json(out)
+    rows = {t["name"]: t for t in report["tensors"]}
+    assert code == 1 and rows["head.weight"]["alias_of"] == "embed.weight" and rows["embed.weight"]["alias_of"] is None
+    same = [t for t in report["tensors"] if t["status"] == "same"]
+    assert same and all(t["norm_a"] is None for t in same), same
+    assert all(t["norm_a"] > 0 for t in report["tensors"] if t["status"] == "changed")
+    code, text = _cli("diff", a, b)
+    assert "tied alias of embed.weight" in next(line for line in text.splitlines() if " head.weight " in line)

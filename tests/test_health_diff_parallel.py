@@ -79,7 +79,8 @@ def test_healthy_parallel_fixtures_exit_0(pfx):
     assert code == 0 and report["problems"] == [], report["problems"]
     ref = _ref(fx)
     names = {t["name"] for t in report["tensors"]}
-    assert names == set(ref["params"]) | {f"{k}/{n}" for k in STATES for n in ref["states"][k]}
+    assert names == set(ref["params"]) | {f"{k}/{n}" for k in STATES for n in ref["states"][k]} | \
+        {n for n, b in ref["buffers"].items() if b.is_floating_point()}
     steps = {s["step"] for s in report["steps"]}
     assert steps <= {float(ref["step"])}
     if fx["zero_stage"] or fx["bf16_optimizer"]:  # ZeRO-0 (without BF16_Optimizer): one optimizer per rank set
@@ -105,7 +106,10 @@ def test_statistics_equal_torchs_on_the_references(parallel_fixtures, name, chun
         _same_stats(got[n], _cut(want, n, fx).float())
         for key in STATES:
             _same_stats(got[f"{key}/{n}"], _cut(ref["states"][key][n], n, fx).float())
-    assert len(got) == len(ref["params"]) * 3
+    floating = {n: b for n, b in ref["buffers"].items() if b.is_floating_point()}
+    for n, want in floating.items():  # float buffers are checked too
+        _same_stats(got[n], want.float())
+    assert len(got) == len(ref["params"]) * 3 + len(floating)
     assert result.memory.peak_added <= plan.predicted_peak_bytes
     assert result.bytes_read >= plan.read_bytes
 
@@ -214,11 +218,12 @@ def test_a_changed_16_bit_weight_in_a_stage_tensor_rank_or_expert_file_is_found(
                          and p.name not in ck.replicated() for x in saved.sources(p.name)
                          if Path(x.path).name == file_part and x.count > 5)
     assert r.dtype == "bfloat16"
-    with open(r.path, "r+b") as f:  # flip a low mantissa bit of one bf16 element
+    with open(r.path, "rb") as f:  # flip a low mantissa bit of one bf16 element, saved so (CRC-32 updated)
         f.seek(r.offset + 2 * 5)
         b = f.read(1)
-        f.seek(r.offset + 2 * 5)
-        f.write(bytes([b[0] ^ 0x01]))
+    from tests.hostile import write_consistent
+
+    write_consistent(r.path, r.offset + 2 * 5, bytes([b[0] ^ 0x01]))
     code, out = _cli("check", dst, "--json", *_rules(fx))
     problems = _strict_json(out)["problems"]
     assert code == 1 and len(problems) == 1, problems

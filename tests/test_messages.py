@@ -251,3 +251,13 @@ def test_no_traceback_for_a_missing_path(tmp_path):
     r = subprocess.run([sys.executable, "-m", "ckptlib", "export", str(tmp_path / "nope"), str(tmp_path / "o")],
                        capture_output=True, text=True, timeout=120, env={**os.environ})
     assert r.returncode == 2 and "Traceback" not in r.stderr and "no such file or folder" in r.stderr
+
+
+def test_when_every_optimizer_file_is_broken_or_missing_each_is_named(output_copy, capsys):
+    tag = output_copy / "checkpoint-6" / "global_step6"
+    files = sorted(tag.glob("*optim_states.pt"))
+    files[0].unlink()
+    truncate(files[1])
+    code, _, err = run_cli(capsys, "inspect", output_copy / "checkpoint-6")
+    assert code == 2 and "Traceback" not in err
+    assert f"{files[1].name} (" in err and f"missing: {files[0].name}" in err, err

@@ -87,3 +87,70 @@ def test_tensor_handles_read_ranges_without_reading_everything(tmp_path):
     assert tf.obj["i"].read().item() == 2**40
     out = torch.empty(5)
     assert tf.obj["a"].read_flat(3, 5, out=out) is out and out.tolist() == [3, 4, 5, 6, 7]
+
+
+def test_inspect_globals_names_what_each_pickle_asks_for_without_running_it(tmp_path):
+    marker = tmp_path / "marker"
+    tag = tmp_path / "ckpt" / "global_step1"
+    tag.mkdir(parents=True)
+    (tmp_path / "ckpt" / "latest").write_text("global_step1")
+    write_torch_zip(tag / "mp_rank_00_model_states.pt", marker_payload(marker)["stack_global"])
+    write_torch_zip(tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt", marker_payload(marker)["newobj_popen"])
+    torch.save({"w": torch.ones(2)}, tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    r = subprocess.run([sys.executable, "-m", "ckptlib", "inspect", str(tmp_path / "ckpt"), "--globals"],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    lines = r.stdout.splitlines()
+    assert "REFUSED  posix.system" in r.stdout and "REFUSED  subprocess.Popen" in r.stdout
+    assert "allowed  torch._utils._rebuild_tensor_v2" in r.stdout
+    assert "global_step1/zero_pp_rank_1_mp_rank_00_optim_states.pt" in lines[5] or any(
+        "zero_pp_rank_1" in line for line in lines)
+    assert "refuses 2 global(s): posix.system, subprocess.Popen" in r.stdout
+    assert not marker.exists()
+    r = subprocess.run([sys.executable, "-m", "ckptlib", "inspect", str(tmp_path / "ckpt"), "--globals", "--json"],
+                       capture_output=True, text=True)
+    import json
+
+    report = json.loads(r.stdout)
+    assert report["refused"] == ["posix.system", "subprocess.Popen"] and not marker.exists()
+
+
+def test_big_endian_tensor_bytes_are_refused(tmp_path):
+    import zipfile
+
+    f = tmp_path / "a.pt"
+    torch.save({"w": torch.arange(4.0)}, f)
+    g = tmp_path / "b.pt"
+    with zipfile.ZipFile(f) as zin, zipfile.ZipFile(g, "w", zipfile.ZIP_STORED) as z:
+        for info in zin.infolist():
+            z.writestr(info.filename, b"big" if info.filename.endswith("/byteorder") else zin.read(info.filename))
+    assert open_torch_file(f).obj["w"].read().tolist() == [0, 1, 2, 3]
+    with pytest.raises(UnsupportedCheckpointError, match="'big'-endian"):
+        open_torch_file(g)
+
+
+def test_internal_errors_are_one_line_and_exit_3(tmp_path, monkeypatch, capsys):
+    """A bug in ckptlib (here: a planner that raises a plain exception) is exit code 3, one line asking for a
+    report, the traceback in a file; a finding stays 1 and a clean error 2."""
+    import ckptlib.analysis.summary as summary
+    from ckptlib.cli import main
+    from ckptlib.cli.crash import REPORT_DIR_ENV
+
+    tag = tmp_path / "ckpt" / "global_step1"
+    tag.mkdir(parents=True)
+    torch.save({"module": {"w": torch.ones(2)}, "buffer_names": [], "param_shapes": None},
+               tag / "mp_rank_00_model_states.pt")
+
+    def broken(ckpt):
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(summary, "format_text", broken)
+    monkeypatch.setenv(REPORT_DIR_ENV, str(tmp_path))
+    code = main(["inspect", str(tmp_path / "ckpt")])
+    err = capsys.readouterr().err
+    assert code == 3 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert "internal error (ZeroDivisionError: a bug)" in err and "please report it" in err
+    crash = list(tmp_path.glob("ckpt-internal-error-*.txt"))
+    assert len(crash) == 1 and str(crash[0]) in err
+    text = crash[0].read_text()
+    assert "Traceback" in text and "ZeroDivisionError: a bug" in text and "ckpt inspect" in text

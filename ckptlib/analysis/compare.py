@@ -205,6 +205,7 @@ class PairDiff:
     max_abs_diff: float = 0.0
     sumsq_diff: float = 0.0
     sumsq_a: float = 0.0
+    skipped: bool = False  # windows with the same bytes on both sides were passed over: ``sumsq_a`` is not known
 
     @property
     def rel_diff(self) -> float:
@@ -301,6 +302,8 @@ class Comparer:
                 np.copyto(w[:k], x)
                 np.nan_to_num(w[:k], copy=False, nan=0.0, posinf=0.0, neginf=0.0)
                 out.sumsq_a += float(np.einsum("i,i->", w[:k], w[:k]))
+        else:
+            out.skipped = bool(identical)
         return out
 
     def _fp32(self, t, t_dtype: str, slot: int):

@@ -30,6 +30,7 @@ from typing import Any, ClassVar, Optional, Union
 
 from ..deepspeed import Checkpoint, open_checkpoint
 from ..dtypes import decode_scalar, itemsize
+from ..io.crc import describe_mismatch, entries_touching, verify_entries
 from ..io.sources import SourceFiles, check_unchanged
 from ..io.streaming import DEFAULT_CHUNK_BYTES, load_cast_kernels
 from ..layout.ranges import stored_bytes
@@ -38,7 +39,7 @@ from ..progress import Observer, check_cancel
 from ..system.memory import MemoryReport, watch_memory
 from ..units import human_bytes
 from .compare import RangeIndex, WindowReader, cast_values, np_type, same_bytes, stored_dtype
-from .healthrules import StatsItem, StepItem, file_labels, layout_problems, stats_items, step_items
+from .healthrules import StatsItem, StepItem, file_labels, identity_problems, layout_problems, stats_items, step_items
 from .scan import Problem, json_ready, num, progress_to, scan_peak_bytes
 from .tensorstats import RunningStats, TensorStats
 
@@ -58,12 +59,14 @@ class CheckPlan:
     states: bool = False
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     notes: list = field(default_factory=list)
+    crc: list = field(default_factory=list)  # the zip entries whose CRC-32 the check verifies
 
     @property
     def read_bytes(self) -> int:
         return sum(stored_bytes(i.ranges) + stored_bytes(i.lowp) + sum(stored_bytes(a) + stored_bytes(b)
                                                                         for _, a, b in i.replicas)
-                   for i in self.items) + sum(stored_bytes(s.ranges) for s in self.steps)
+                   for i in self.items) + sum(stored_bytes(s.ranges) for s in self.steps) + \
+            sum(e.size for e in self.crc)
 
     @property
     def predicted_peak_bytes(self) -> int:
@@ -78,7 +81,7 @@ class CheckPlan:
                  + (" (fp32 masters and optimizer states)" if self.states else " (fp32 masters)")
                  + (f", {lowp} saved {src.dtype} weights compared with their masters" if lowp else "")
                  + (f", {copies} further copies (tied or replicated) compared with the first" if copies else "")
-                 + f", {len(self.steps)} optimizer steps",
+                 + f", {len(self.steps)} optimizer steps; the CRC-32 of {len(self.crc)} zip entries",
                  f"reads {human_bytes(self.read_bytes)} of {human_bytes(src.total_bytes)}; writes nothing",
                  f"predicted peak memory: {human_bytes(self.predicted_peak_bytes)} "
                  f"({human_bytes(self.chunk_bytes)} chunks; independent of the model size)"]
@@ -172,9 +175,15 @@ def plan_check(checkpoint: Union[Checkpoint, str, os.PathLike], *, tag: Optional
     labels = file_labels(ck)
     items = stats_items(ck, states, notes)
     steps = step_items(ck, notes)
-    problems = layout_problems(ck, labels, notes)
+    problems = layout_problems(ck, labels, notes) + identity_problems(ck)
+    if states:  # every entry of every file: the pickles, the records, every tensor's storage
+        crc = [e for entries in ck.zip_entries(every=True).values() for e in entries]
+    else:  # every entry the check reads from
+        crc = entries_touching(ck.zip_entries(), [r for i in items for r in i.ranges + i.lowp] +
+                               [r for i in items for _, a, b in i.replicas for r in a + b] +
+                               [r for s in steps for r in s.ranges])
     return CheckPlan(source=ck.source_ref(), items=items, steps=steps, problems=problems, labels=labels,
-                     states=states, chunk_bytes=chunk_bytes, notes=notes)
+                     states=states, chunk_bytes=chunk_bytes, notes=notes, crc=crc)
 
 
 # ============================================================================================ running
@@ -363,7 +372,8 @@ def check(checkpoint: Union[CheckPlan, Checkpoint, str, os.PathLike], *, observe
             check_unchanged(plan.source.stamps)
             problems = list(plan.problems)
             with SourceFiles() as files:
-                scanner = _Scanner(plan, files, progress_to(observer, plan.read_bytes), cancel)
+                progress = progress_to(observer, plan.read_bytes)
+                scanner = _Scanner(plan, files, progress, cancel)
                 try:
                     tensors = []
                     for item in plan.items:
@@ -371,6 +381,8 @@ def check(checkpoint: Union[CheckPlan, Checkpoint, str, os.PathLike], *, observe
                         tensors.append(scanner.scan(item, problems))
                 finally:
                     scanner.close()
+                problems += [Problem("zip entry", plan.labels.get(e.path, e.path), describe_mismatch(e, got))
+                             for e, got in verify_entries(plan.crc, files, plan.chunk_bytes, progress, cancel)]
                 values = read_steps(plan.steps, files)
                 problems += step_problems(plan.steps, values, plan.labels, plan.source.zero_stage == 3)
                 read = files.stats.bytes_read

@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..deepspeed import NO_ZERO, Checkpoint
+from ..deepspeed import exactness
 from ..deepspeed.moe import global_name
 from ..dtypes import is_floating
-from ..errors import IncompleteCheckpointError
+from ..errors import IncompleteCheckpointError, UnsupportedCheckpointError
 from ..io.torchzip import TensorHandle
 from .scan import Problem
 
@@ -31,7 +32,7 @@ from .scan import Problem
 @dataclass(frozen=True)
 class StatsItem:
     """One tensor to stream: ``key`` (name, or ``<state>/<name>``), ``kind`` (``trainable``, ``frozen``,
-    ``state``), stored dtype, shape, ranges; ``lowp``: the ranges of the saved 16-bit (training dtype)
+    ``state``, ``buffer``: floating buffers), stored dtype, shape, ranges; ``lowp``: the ranges of the saved 16-bit (training dtype)
     weight of a master, compared with the master cast to ``lowp_dtype``; ``replicas``: ``(what, ranges,
     replica ranges)`` for each further copy another stage or tensor rank stores (a tied layer on several
     stages, a tensor replicated across tensor ranks), which must hold the same bytes."""
@@ -130,6 +131,11 @@ def stats_items(ck: Checkpoint, states: bool = False, notes: Optional[list] = No
                              lowp=lowp, lowp_dtype=lowp_dtype, replicas=replica_pairs(ck, p.name)))
     if skipped and notes is not None:
         notes.append(f"no data saved for {', '.join(skipped)} (exclude_frozen_parameters): not checked")
+    for b in ck.buffers:  # a NaN in a running variance is a health problem too (integer buffers hold no NaN)
+        if not is_floating(b.dtype):
+            continue
+        ranges = tuple(ck.sources(b.name))
+        out.append(StatsItem(b.name, "buffer", b.dtype, tuple(b.shape), ranges, replicas=replica_pairs(ck, b.name)))
     if states and ck.optimizer:
         for key in ck.optimizer.state_keys:
             for p in ck.parameters:
@@ -138,6 +144,10 @@ def stats_items(ck: Checkpoint, states: bool = False, notes: Optional[list] = No
                 try:
                     ranges = tuple(ck.sources(p.name, key))
                 except KeyError:
+                    continue
+                except UnsupportedCheckpointError as e:  # ZeRO-0: which parameter's state it is is not known
+                    if notes is not None and e.message not in notes:
+                        notes.append(f"{key}/{p.name} not checked: {e.message}")
                     continue
                 if ranges and is_floating(ranges[0].dtype):
                     out.append(StatsItem(f"{key}/{p.name}", "state", ranges[0].dtype, tuple(p.shape), ranges, key,
@@ -238,7 +248,11 @@ def _mapping_problems(lay, k: int, g: int, recorded: dict, file: str, who: str, 
     padding = [(s.rank_start, s.rank_start + s.count) for s in lay.segments(k) if s.is_padding]
     for name, addr in recorded.items():
         start, count = getattr(addr, "start", None), getattr(addr, "numel", None)
-        if not isinstance(start, int) or not isinstance(count, int) or want.get(name) == (start, count):
+        if not isinstance(start, int) or not isinstance(count, int):
+            out.append(Problem(named(name), file, f"group {g}: its param_slice_mappings entry is not a fragment "
+                               f"address ({type(addr).__name__}): the file is damaged"))
+            continue
+        if want.get(name) == (start, count):
             continue
         covered = sum(max(0, min(b, start + count) - max(a, start)) for a, b in padding)
         where = want.get(name)
@@ -270,6 +284,15 @@ def _zero3_problems(ck: Checkpoint, label: dict) -> list[Problem]:
     return out
 
 
+def identity_problems(ck: Checkpoint) -> list[Problem]:
+    """Rank files that were saved as another file, or hold another rank's partition byte for byte
+    (:mod:`ckptlib.deepspeed.exactness`; the paddings and mappings are :func:`layout_problems`)."""
+    out = []
+    for f in exactness.saved_as(ck) + exactness.duplicates(ck):
+        out += [Problem("file", file, f.what) for file in f.files]
+    return out
+
+
 def layout_problems(ck: Checkpoint, label: dict, notes: Optional[list] = None) -> list[Problem]:
     """Padding the files record that covers parameter elements, by the layout arithmetic."""
     if ck.flavor == NO_ZERO or not ck.layouts:
@@ -277,5 +300,6 @@ def layout_problems(ck: Checkpoint, label: dict, notes: Optional[list] = None) -
     return _zero3_problems(ck, label) if ck.zero_stage == 3 else _flat_problems(ck, label, notes)
 
 
-__all__ = ["StatsItem", "StepItem", "file_labels", "stats_items", "step_items", "layout_problems", "groups_of",
+__all__ = ["StatsItem", "StepItem", "file_labels", "stats_items", "step_items", "layout_problems", "identity_problems",
+           "groups_of",
            "zero_sets", "saved_weights_view", "replica_pairs"]

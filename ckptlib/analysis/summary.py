@@ -7,9 +7,16 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..deepspeed import Checkpoint
+from ..deepspeed import Checkpoint, exactness
 from ..deepspeed.discovery import repair_hint
 from ..units import human_bytes
+
+
+def all_problems(ckpt: Checkpoint) -> list[str]:
+    """What opening found wrong, and every rank file that does not hold what its name says
+    (:mod:`ckptlib.deepspeed.exactness`: what export, reshard and universal would refuse)."""
+    found = [str(f) for f in exactness.findings(ckpt)] if not ckpt.refusals else []
+    return list(ckpt.problems) + [f for f in found if f not in ckpt.problems]
 
 
 def describe(ckpt: Checkpoint) -> dict[str, Any]:
@@ -57,7 +64,7 @@ def describe(ckpt: Checkpoint) -> dict[str, Any]:
                         "mp_rank": f.mp_rank}, **ckpt.coordinates(f)) for f in ckpt.files],
         "total_bytes": ckpt.total_bytes,
         "bytes_read": ckpt.stats.bytes_read,
-        "problems": list(ckpt.problems),
+        "problems": all_problems(ckpt),
         "cannot_read": list(ckpt.refusals),
         "notes": list(ckpt.notes),
     }
@@ -145,9 +152,10 @@ def format_text(ckpt: Checkpoint) -> str:
         lines.append(f"cannot read values: {r}")
     if ckpt.refusals:
         lines.append("hint: pass --tp-rules FILE (see `ckpt export --help`)")
-    if ckpt.problems:
-        lines.append(f"PROBLEMS ({len(ckpt.problems)}):")
-        lines += [f"  - {p}" for p in ckpt.problems]
+    problems = d["problems"]
+    if problems:
+        lines.append(f"PROBLEMS ({len(problems)}):")
+        lines += [f"  - {p}" for p in problems]
         lines.append(f"hint: {repair_hint(ckpt.location)}")
     else:
         lines.append("problems: none found")

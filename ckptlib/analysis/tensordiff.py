@@ -116,6 +116,7 @@ class TensorDiff:
     rel_diff: Optional[float] = None
     norm_a: Optional[float] = None
     norm_diff: Optional[float] = None
+    alias_of: Optional[str] = None  # a tied alias (on either side): the parameter whose values it shares
 
     def to_dict(self) -> dict:
         return {"name": self.key, "status": self.status, "max_abs_diff": self.max_abs_diff, "rel_diff": self.rel_diff,
@@ -123,7 +124,7 @@ class TensorDiff:
                 "dtype_a": self.dtype_a, "dtype_b": self.dtype_b,
                 "shape_a": list(self.shape_a) if self.shape_a is not None else None,
                 "shape_b": list(self.shape_b) if self.shape_b is not None else None,
-                "norm_a": self.norm_a, "norm_diff": self.norm_diff}
+                "norm_a": self.norm_a, "norm_diff": self.norm_diff, "alias_of": self.alias_of}
 
 
 @dataclass
@@ -183,8 +184,9 @@ class DiffResult:
                 lines.append(f"{t.status:<13} {t.key:<{w}}  {list(t.shape_a)} -> {list(t.shape_b)}")
             else:
                 extra = f", {t.nonfinite} NaN/Inf on one side only" if t.nonfinite else ""
+                alias = f"; tied alias of {t.alias_of}, which changes with it" if t.alias_of else ""
                 lines.append(f"{t.status:<13} {t.key:<{w}}  max|a-b| {num(t.max_abs_diff)}  rel {num(t.rel_diff)}  "
-                             f"({t.changed:,} of {t.numel:,} elements{extra})")
+                             f"({t.changed:,} of {t.numel:,} elements{extra}{alias})")
         lines.append(self.summary() + f" ({human_bytes(self.bytes_read)} read in {self.seconds:.1f} s)")
         return "\n".join(lines)
 
@@ -229,18 +231,20 @@ def plan_diff(a: Union[TensorSet, str, os.PathLike, Any], b: Union[TensorSet, st
 # ============================================================================================ running
 def _compare(item: DiffItem, cmp: Comparer, atol: float, rtol: float) -> TensorDiff:
     a, b = item.a, item.b
+    alias = getattr(a, "alias_of", None) or getattr(b, "alias_of", None)
     if b is None:
-        return TensorDiff(item.key, ONLY_IN_A, dtype_a=a.dtype, shape_a=a.shape, numel=a.numel)
+        return TensorDiff(item.key, ONLY_IN_A, dtype_a=a.dtype, shape_a=a.shape, numel=a.numel, alias_of=alias)
     if a is None:
-        return TensorDiff(item.key, ONLY_IN_B, dtype_b=b.dtype, shape_b=b.shape, numel=b.numel)
+        return TensorDiff(item.key, ONLY_IN_B, dtype_b=b.dtype, shape_b=b.shape, numel=b.numel, alias_of=alias)
     out = TensorDiff(item.key, SHAPE_CHANGED, dtype_a=a.dtype, dtype_b=b.dtype, shape_a=a.shape, shape_b=b.shape,
-                     numel=a.numel)
+                     numel=a.numel, alias_of=alias)
     if not item.comparable:
         return out
     d = cmp.difference(a.ranges, b.ranges, atol, rtol)
     out.status = CHANGED if d.changed else SAME
     out.changed, out.nonfinite, out.max_abs_diff, out.rel_diff = d.changed, d.nonfinite, d.max_abs_diff, d.rel_diff
-    out.norm_a, out.norm_diff = math.sqrt(d.sumsq_a), math.sqrt(d.sumsq_diff)
+    # identical bytes are passed over without summing ||a||: its norm is then not known (null), not 0.0
+    out.norm_a, out.norm_diff = (None if d.skipped else math.sqrt(d.sumsq_a)), math.sqrt(d.sumsq_diff)
     return out
 
 

@@ -55,6 +55,7 @@ class NamedTensor(Shaped):
     shape: tuple
     ranges: tuple = field(repr=False)
     state: Optional[str] = None
+    alias_of: Optional[str] = None  # a tied alias: the parameter whose values it shares
 
     @property
     def name(self) -> str:
@@ -109,7 +110,7 @@ def checkpoint_tensors(ck: Checkpoint, states: bool = False, notes: Optional[lis
             skipped.append(name)
             continue
         dtype = ranges[0].dtype if ranges else "float32"
-        out[name] = NamedTensor(name, dtype, tuple(owner.shape), ranges)
+        out[name] = NamedTensor(name, dtype, tuple(owner.shape), ranges, alias_of=p.tied_to)
     if skipped and notes is not None:
         notes.append(f"no data saved for {', '.join(skipped)} (exclude_frozen_parameters): left out")
     if states and ck.optimizer:
@@ -295,7 +296,7 @@ def universal_tensors(folder: Path, states: bool = False) -> tuple[dict, list[Pa
             out[name] = NamedTensor(name, h.dtype_name, tuple(h.shape), tuple(h.ranges()))
         elif name in shared and shared[name] in params:
             owner = params[shared[name]]
-            out[name] = NamedTensor(name, owner.dtype, owner.shape, owner.ranges)
+            out[name] = NamedTensor(name, owner.dtype, owner.shape, owner.ranges, alias_of=shared[name])
         elif name in params:
             out[name] = params[name]
     out.update({k: v for k, v in params.items() if k not in out})

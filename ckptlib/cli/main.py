@@ -1,6 +1,8 @@
 """The ``ckpt`` command line (also ``python -m ckptlib``).
 
-Errors ckptlib raises on purpose are printed as one clear message (exit code 2); no traceback.
+Exit codes (:mod:`ckptlib.cli.crash`): 0 success, 1 a finding (problems, differences, a failed
+verification), 2 an error with one clear message (what ckptlib raises on purpose), 3 an internal error
+(a bug: one line asking for a report, the traceback in a file). Never a traceback on the terminal.
 """
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ from typing import Optional, Sequence
 
 from .. import __version__
 from ..dtypes import OUTPUT_DTYPES
-from ..errors import CkptError
+from ..errors import CkptError, printable
 from ..units import human_bytes
+from .crash import internal_error
 from .dcp import add_dcp_arguments
 from .resume import add_arguments as resume_arguments
 
@@ -22,8 +25,14 @@ TP_RULES_HELP = ("tensor-parallel checkpoints saved without universal_checkpoint
                  "vocabulary_parameter_patterns, original_vocab_size) saying how the shards join")
 
 
+def _say(text: str, file=None) -> None:
+    """Print text made of names from the checkpoint (tensor names, tags, ``latest``): control characters
+    escaped line by line, so nothing a file holds reaches the terminal raw."""
+    print("\n".join(printable(line) for line in str(text).split("\n")), file=file or sys.stdout)
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from ..analysis.summary import describe, format_text
+    from ..analysis.summary import all_problems, describe, format_text
     from ..dcp import is_dcp
     from ..deepspeed import open_checkpoint
 
@@ -32,12 +41,19 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
         return inspect_dcp(args.path, args.json)
 
+    if args.globals:
+        from ..analysis.pickles import format_globals, globals_report
+
+        report = globals_report(args.path, args.tag)
+        _say(json.dumps(report, indent=2) if args.json else format_globals(report))
+        return 1 if report["refused"] else 0
+
     with open_checkpoint(args.path, tag=args.tag, tp_rules=args.tp_rules) as ckpt:
         if args.json:
             print(json.dumps(describe(ckpt), indent=2))
         else:
-            print(format_text(ckpt))
-        return 1 if ckpt.problems else 0
+            _say(format_text(ckpt))
+        return 1 if all_problems(ckpt) else 0
 
 
 def _finish(args: argparse.Namespace, plan, result, checked=None) -> int:
@@ -46,8 +62,8 @@ def _finish(args: argparse.Namespace, plan, result, checked=None) -> int:
     verification fails."""
     if not args.quiet:
         for note in plan.notes:
-            print(f"note: {note}", file=sys.stderr)
-        print(result.describe())
+            _say(f"note: {note}", file=sys.stderr)
+        _say(result.describe())
     if not args.verify:
         return 0
     if checked is None:
@@ -55,7 +71,7 @@ def _finish(args: argparse.Namespace, plan, result, checked=None) -> int:
 
         checked = verify(plan, result.out)
     if not args.quiet or not checked.ok:
-        print(checked.describe())
+        _say(checked.describe())
     return 0 if checked.ok else 1
 
 
@@ -72,7 +88,7 @@ def _plan_and_run(args: argparse.Namespace, make_plan, desc: str) -> int:
 
         plan = make_plan()
         if args.plan:
-            print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.describe())
+            _say(json.dumps(plan.to_dict(), indent=2) if args.json else plan.describe())
             return 0
         return _finish(args, plan, run(plan, observer=observer))
     from ..execute.distributed import (
@@ -88,7 +104,7 @@ def _plan_and_run(args: argparse.Namespace, make_plan, desc: str) -> int:
             plan = shared_plan(make_plan)
             if args.plan:
                 if rank == 0:
-                    print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.describe())
+                    _say(json.dumps(plan.to_dict(), indent=2) if args.json else plan.describe())
                 return 0
             result = run_distributed(plan, observer=observer)
             checked = verify_distributed(plan, result.out) if args.verify else None  # every rank compares a share
@@ -101,7 +117,6 @@ def _plan_and_run(args: argparse.Namespace, make_plan, desc: str) -> int:
 
 def _cmd_export(args: argparse.Namespace) -> int:
     from ..export import plan_export
-
     from .dcp import dcp_options
 
     states = [s for s in (args.states or "").split(",") if s]
@@ -109,7 +124,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         args.path, args.out, tag=args.tag, format=args.format, dtype=args.dtype,
         max_shard_size=args.max_shard_size, exclude_frozen=args.exclude_frozen, states=states,
         workers=args.workers, overwrite=args.overwrite, tp_rules=args.tp_rules, hf_files=args.hf_files,
-        sync=args.sync, dcp=dcp_options(args)), "export")
+        sync=args.sync, dcp=dcp_options(args), verify_crc=args.verify_crc), "export")
 
 
 def _cmd_reshard(args: argparse.Namespace) -> int:
@@ -124,14 +139,16 @@ def _cmd_reshard(args: argparse.Namespace) -> int:
             if mesh_given or args.world_size is not None:
                 raise CkptError("--universal writes a checkpoint for any size: leave out --world-size, --tp, --pp, --ep")
             return plan_universal(args.path, args.out, tag=args.tag, overwrite=args.overwrite, workers=args.workers,
-                                  tp_rules=args.tp_rules, hf_files=args.hf_files, sync=args.sync)
+                                  tp_rules=args.tp_rules, hf_files=args.hf_files, sync=args.sync,
+                                  verify_crc=args.verify_crc)
         from ..reshard.stages import parse_tied
 
         return plan_reshard(args.path, args.out, args.world_size, tp=args.tp, pp=args.pp, ep=args.ep,
                             pp_partition=args.pp_partition, pp_layers=args.pp_layers,
                             pp_tied=parse_tied(args.pp_tied) if args.pp_tied else None, tag=args.tag,
                             overwrite=args.overwrite, workers=args.workers, tp_rules=args.tp_rules,
-                            hf_files=args.hf_files, sync=args.sync, gpu_memory=args.gpu_memory)
+                            hf_files=args.hf_files, sync=args.sync, gpu_memory=args.gpu_memory,
+                            verify_crc=args.verify_crc)
 
     return _plan_and_run(args, make_plan, "reshard")
 
@@ -146,9 +163,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
         return resume.run(args)
     plan = plan_check(args.path, tag=args.tag, states=args.states, tp_rules=args.tp_rules)
     for note in plan.notes:
-        print(f"note: {note}", file=sys.stderr)
+        _say(f"note: {note}", file=sys.stderr)
     result = check(plan, observer=None if args.quiet or args.json else ReadTqdm("check"))
-    print(json.dumps(result.to_dict(), indent=2) if args.json else result.describe())
+    _say(json.dumps(result.to_dict(), indent=2) if args.json else result.describe())
     return 0 if result.ok else 1
 
 
@@ -159,9 +176,9 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     plan = plan_diff(args.a, args.b, tag_a=args.tag_a, tag_b=args.tag_b, states=args.states, atol=args.atol,
                      rtol=args.rtol, tp_rules=args.tp_rules)
     for note in plan.notes:
-        print(f"note: {note}", file=sys.stderr)
+        _say(f"note: {note}", file=sys.stderr)
     result = diff(plan, observer=None if args.quiet or args.json else ReadTqdm("diff"))
-    print(json.dumps(result.to_dict(), indent=2) if args.json else result.describe())
+    _say(json.dumps(result.to_dict(), indent=2) if args.json else result.describe())
     return 0 if result.ok else 1
 
 
@@ -179,6 +196,11 @@ NO_SYNC_HELP = ("do not wait for the disk: the output appears as soon as it is w
                 "cut in the next seconds may leave it incomplete); by default it is on disk before it appears")
 
 
+VERIFY_CRC_HELP = ("first verify the CRC-32 torch records for every zip entry of the checkpoint that the run reads "
+                   "(torch never checks them): damaged bytes are refused, naming the file and entry; costs one more "
+                   "read of those bytes (docs/safety.md)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ckpt", description="Inspect and convert DeepSpeed ZeRO checkpoints.",
                                      formatter_class=_Formatter, allow_abbrev=False)
@@ -193,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tag", help="tag to inspect (default: the one 'latest' names)")
     p.add_argument("--tp-rules", metavar="FILE", help=TP_RULES_HELP)
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--globals", action="store_true",
+                   help="list every global each pickle names and which ones ckptlib refuses, without running any "
+                        "(also for a checkpoint inspect refuses); exit 1 if any is refused")
     p.set_defaults(func=_cmd_inspect)
 
     p = add_parser("export", help="write consolidated weights (safetensors or torch, HF layout), streaming")
@@ -222,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true",
                    help="re-read the output and compare every tensor with the checkpoint, bit for bit (exit 1 if any "
                         "differs; with --distributed every rank compares a share)")
+    p.add_argument("--verify-crc", action="store_true", help=VERIFY_CRC_HELP)
     p.add_argument("-q", "--quiet", action="store_true",
                    help="print nothing but errors (and a failed verification); the exit code says how it went")
     p.set_defaults(func=_cmd_export)
@@ -267,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="under torchrun (one machine or several nodes, output on a shared file system): rank 0 "
                         "plans, every rank writes its share of the target files (balanced by bytes, --workers "
                         "threads each), rank 0 renames the output into place once all ranks finished (gloo)")
+    p.add_argument("--verify-crc", action="store_true", help=VERIFY_CRC_HELP)
     p.add_argument("-q", "--quiet", action="store_true",
                    help="print nothing but errors (and a failed verification); the exit code says how it went")
     p.set_defaults(func=_cmd_reshard)
@@ -318,18 +345,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         print(f"ckpt {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        return 0
     except (MemoryError, RuntimeError) as e:  # an allocation failed outside a run (which says more itself)
         from ..system.allocation import is_allocation_failure
         from ..system.memory import system_memory
 
         if not is_allocation_failure(e):
-            raise
+            return internal_error(args.command, e, argv)
         room = system_memory()
         print(f"ckpt {args.command}: error: ran out of memory ({human_bytes(room.headroom)} was {room.bound_by})\n"
               "  hint: free memory or raise the limit; `ckpt export --plan` shows what a run needs", file=sys.stderr)
         return 2
-    except BrokenPipeError:
-        return 0
+    except Exception as e:  # noqa: BLE001 - a bug in ckptlib: one line, the traceback in a file (exit 3)
+        return internal_error(args.command, e, argv)
 
 
 if __name__ == "__main__":  # pragma: no cover

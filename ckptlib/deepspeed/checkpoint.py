@@ -159,6 +159,19 @@ class Checkpoint:
             return []
         return [n for n, blocks in self.view.blocks.items() if any(b.replicas for b in blocks)]
 
+    def zip_entries(self, every: bool = False) -> dict[str, tuple]:
+        """``{path: its zip members as ZipEntry, by offset}`` of the files opened so far; with ``every``, of
+        every torch file of the tag folder (those not opened yet are opened: their pickles are read)."""
+        if every:
+            for f in self.files:
+                if f.kind != "other":
+                    self._files.get(f)
+        return {os.fspath(tf.path): tf.entries for _, tf in self._files.opened()}
+
+    def opened_files(self) -> list:
+        """``(FileInfo, TorchFile)`` of every file of the tag folder opened so far (the readable ones)."""
+        return self._files.opened()
+
     def coordinates(self, f) -> dict:
         """Where file ``f`` sits in the mesh: ``stage``, ``tp_rank``, ``dp_rank``, ``ep_rank``, ``layer``,
         ``expert`` (None where the dimension does not apply). A layer file's stage is the stage that holds

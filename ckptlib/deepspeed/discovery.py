@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from ..errors import NotACheckpointError
+from ..errors import NotACheckpointError, printable
 from .files import MODEL_STATES, OPTIM_STATES, classify, natural_key
 
 _HF_CHECKPOINT = re.compile(r"^checkpoint[-_](\d+)$")  # HF Trainer checkpoint-N, Accelerate checkpoint_N
@@ -62,13 +63,40 @@ def is_tag_dir(path: Path) -> bool:
         return False
 
 
+LATEST_LIMIT = 1024  # a tag name is short; DeepSpeed writes the tag and nothing else
+
+
 def read_latest(save_dir: Path) -> Optional[str]:
+    """The tag ``save_dir/latest`` names, or None when there is no such file.
+
+    ``latest`` is only read when it is a regular file of the save dir itself (DeepSpeed writes one): a
+    symbolic link (to ``/etc/passwd``, say) is never followed, and a FIFO or device is never opened.
+
+    Raises:
+        NotACheckpointError: ``latest`` is a link or not a regular file, or does not hold a tag name (too long,
+            several lines, control characters, a path).
+    """
     p = save_dir / "latest"
-    if not p.is_file():
+    try:
+        st = os.lstat(p)
+    except FileNotFoundError:
         return None
-    with open(p, "rb") as f:
-        raw = f.read(4096)
-    return raw.decode("utf-8", "replace").strip()
+    hint = "remove or repair it, or pass --tag with one of the tag folders"
+    if stat.S_ISLNK(st.st_mode):
+        raise NotACheckpointError("'latest' is a symbolic link; ckptlib does not follow it (DeepSpeed writes a "
+                                  "file holding the tag name)", path=p, hint=hint)
+    if not stat.S_ISREG(st.st_mode):
+        raise NotACheckpointError("'latest' is not a regular file (a folder, FIFO or device)", path=p, hint=hint)
+    fd = os.open(p, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    try:
+        raw = os.read(fd, LATEST_LIMIT + 1)
+    finally:
+        os.close(fd)
+    text = raw.decode("utf-8", "replace").strip()
+    if len(raw) > LATEST_LIMIT or any(not ch.isprintable() for ch in text) or "/" in text or "\\" in text \
+            or text in (".", ".."):
+        raise NotACheckpointError(f"'latest' does not hold a tag name ({printable(text, 60)!s})", path=p, hint=hint)
+    return text
 
 
 def list_tags(save_dir: Path) -> list[str]:
@@ -215,7 +243,7 @@ def locate(path: str | os.PathLike, tag: Optional[str] = None) -> Location:
         notes.append(f"using the tag folder given, '{tag}'")
     else:
         save_dir = given
-        if not list_tags(save_dir) and read_latest(save_dir) is None:
+        if not list_tags(save_dir) and not os.path.lexists(save_dir / "latest"):
             checkpoints = list_hf_checkpoints(given)
             usable = [c for c in checkpoints if list_tags(c)]
             if usable:
@@ -231,7 +259,13 @@ def locate(path: str | os.PathLike, tag: Optional[str] = None) -> Location:
                 raise _not_a_checkpoint(given, checkpoints)
 
     tags = list_tags(save_dir)
-    latest = read_latest(save_dir)
+    try:
+        latest = read_latest(save_dir)
+    except NotACheckpointError as e:
+        if tag is None:
+            raise
+        latest = None
+        notes.append(f"'latest' ignored: {e.message}")
     if tag is None:
         if latest is not None:
             if latest not in tags:

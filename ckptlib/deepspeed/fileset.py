@@ -72,6 +72,10 @@ class OpenedFiles:
                 self._errors[key] = e
         return self._open[key]
 
+    def opened(self) -> list[tuple[FileInfo, TorchFile]]:
+        """The files opened so far (readable ones), in the folder's order."""
+        return [(f, self._open[str(f.path)]) for f in self.files if self._open.get(str(f.path)) is not None]
+
     def error(self, info: FileInfo) -> Optional[CkptError]:
         """Why :meth:`get` gave None for ``info``."""
         return self._errors.get(str(info.path))

@@ -15,7 +15,7 @@ from typing import Optional
 from ..mesh import Mesh, Rank
 from . import files as fnames
 from .fileset import OpenedFiles
-from .model import ModelView, single_set_view, whole
+from .model import ModelView, single_set_view
 from .parse import parse
 from .pipeline import has_tensor_axis, is_pipeline, layer_tp_ranks, stage_modules
 from .records import ParameterInfo

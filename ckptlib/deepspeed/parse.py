@@ -20,6 +20,7 @@ from .fileset import OpenedFiles
 from .moe import expert_file_problems, expert_file_tensors, is_moe, with_experts
 from .records import BF16_OPTIMIZER, NO_ZERO, ZERO, BufferInfo, OptimizerInfo, Records
 from .releases import find_quirks, refuse_old_layouts, written_by
+from .stage0 import build_stage0
 from .values import as_int, as_str, get, plain
 
 
@@ -74,7 +75,7 @@ def parse(fs: OpenedFiles, notes: list, problems: list, mp: int = 0, module: Opt
     _stage_and_flavor(rec, fs, optim_files, first_optim)
     rec.dtype = _training_dtype(rec, model)
     if rec.flavor == NO_ZERO:
-        partitions.build_stage0(rec, model, _expert_optimizers(fs))
+        build_stage0(rec, model, _expert_optimizers(fs))
     elif rec.zero_stage == 3:
         partitions.build_zero3(rec, fs, model, model_files, optim_files)
     else:
@@ -123,8 +124,14 @@ def _stage_and_flavor(rec: Records, fs: OpenedFiles, optim_files: list, first_op
         return
     if first_optim is None:
         broken = "; ".join(f"{f.path.name} ({_reason(fs, f)})" for f in optim_files)
-        raise IncompleteCheckpointError(f"none of the {len(optim_files)} optimizer-state files can be read: {broken}",
-                                        path=fs.location.tag_dir)
+        have = {f.dp_rank for f in optim_files if f.dp_rank is not None}
+        like = optim_files[0]
+        missing = [fnames.optim_states_name(r, like.mp_rank or 0, like.prefix)
+                   for r in range(rec.dp_world_size or 0) if r not in have]
+        raise IncompleteCheckpointError(
+            f"none of the {len(optim_files)} optimizer-state files can be read: {broken}"
+            + (f"; and missing: {', '.join(missing)} (the model-states file says {rec.dp_world_size} ranks)"
+               if missing else ""), path=fs.location.tag_dir)
     if "zero_stage" in first_optim:
         rec.zero_stage, rec.flavor = int(first_optim["zero_stage"]), ZERO
     elif "single_partition_of_fp32_groups" in first_optim:

@@ -1,5 +1,5 @@
 """The partition layout of each kind of checkpoint, from its pickles: ZeRO-1/2 (and BF16_Optimizer) flat
-groups, ZeRO-3 per-parameter chunks, stage 0's optimizer groups; then the parameter list.
+groups, ZeRO-3 per-parameter chunks (stage 0's optimizer groups: :mod:`.stage0`); then the parameter list.
 
 Each ``build_*`` fills ``rec.layouts``, ``rec.parameters``, ``rec.partition_count`` and the tensor index
 of a :class:`~ckptlib.deepspeed.records.Records`, and appends what does not add up to ``rec.problems``.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..errors import UnsupportedCheckpointError
+from ..errors import IncompleteCheckpointError, UnsupportedCheckpointError
 from ..io.torchzip import TensorHandle
 from ..layout.flat import FlatGroupLayout, Zero3Layout
 from . import files as fnames
@@ -35,14 +35,34 @@ def build_zero12(rec: Records, model: dict, model_file: FileInfo, optim_files: l
     first = optim[min(optim)]
     counts = first.get("partition_count")
     counts = list(counts) if isinstance(counts, (list, tuple)) else [counts] * len(param_shapes)
-    rec.partition_count = max(int(c) for c in counts) if counts else None
+    try:
+        counts = [int(c) for c in counts]
+    except (TypeError, ValueError):
+        raise IncompleteCheckpointError(f"partition_count {counts!r} is not a list of numbers",
+                                        path=optim_files[0].path) from None
+    rec.partition_count = max(counts) if counts else None
     base = first.get("base_optimizer_state")
     rec.expert_groups = expert_groups(base.get("param_groups") or [] if isinstance(base, dict) else [],
                                       [list(g) for g in param_shapes], counts, rec.partition_count or 1)
     paddings = first.get("param_alignment_paddings")
+    if len(counts) != len(param_shapes):
+        raise IncompleteCheckpointError(
+            f"the optimizer-state files have {len(counts)} parameter groups (partition_count), the model-states "
+            f"file's param_shapes {len(param_shapes)}: the files are not of one save", path=model_file.path,
+            hint="the model-states file or the optimizer files are from another run; restore the files from a copy")
     for g, group in enumerate(param_shapes):
         pads = list(paddings[g]) if isinstance(paddings, (list, tuple)) and g < len(paddings) else None
-        rec.layouts.append(FlatGroupLayout.build(list(group.items()), int(counts[g]), paddings_after=pads, group=g))
+        if pads is not None and len(pads) != len(group):
+            raise IncompleteCheckpointError(
+                f"group {g}: param_shapes lists {len(group)} parameters, the optimizer files' "
+                f"param_alignment_paddings {len(pads)}: the model-states file and the optimizer files are not of "
+                "one save", path=model_file.path,
+                hint="the model-states file or the optimizer files are from another run; restore the files from a copy")
+        count = counts[g]
+        if count < 1:
+            raise IncompleteCheckpointError(f"group {g}: partition_count {count} is not a positive number",
+                                            path=optim_files[0].path)
+        rec.layouts.append(FlatGroupLayout.build(list(group.items()), count, paddings_after=pads, group=g))
     check_rank_files(rec, optim_files, rec.partition_count, "optimizer-state")
     key = "single_partition_of_fp32_groups"
     for rank, osd in sorted(optim.items()):
@@ -50,7 +70,7 @@ def build_zero12(rec: Records, model: dict, model_file: FileInfo, optim_files: l
         if rec.partition_count is not None and r >= rec.partition_count:
             continue  # an extra file, reported as such
         if not isinstance(parts, (list, tuple)) or len(parts) != len(rec.layouts):
-            rec.problems.append(f"rank {r}: '{key}' has {len(parts) if parts is not None else 'no'} groups, "
+            rec.problems.append(f"{_who(optim_files, r)}: '{key}' has {len(parts) if parts is not None else 'no'} groups, "
                                 f"param_shapes has {len(rec.layouts)}")
             continue
         for g, (t, lay) in enumerate(zip(parts, rec.layouts)):
@@ -59,7 +79,7 @@ def build_zero12(rec: Records, model: dict, model_file: FileInfo, optim_files: l
             if not isinstance(t, TensorHandle) or t.numel != want:
                 got = t.numel if isinstance(t, TensorHandle) else type(t).__name__
                 rec.problems.append(
-                    f"rank {r} group {g}: the fp32 partition holds {got} elements, but {want} are expected "
+                    f"{_who(optim_files, r)} group {g}: the fp32 partition holds {got} elements, but {want} are expected "
                     f"from param_shapes at {lay.world_size} ranks (element counts do not add up)")
     trainable = {}
     for g, group in enumerate(param_shapes):
@@ -82,7 +102,42 @@ def build_zero12(rec: Records, model: dict, model_file: FileInfo, optim_files: l
                 if o in trainable and a not in trainable and a not in frozen_shapes}
         if ties:
             rec.ties_from_storage = shared = ties
+    check_state_keys(rec)
     collect_parameters(rec, model, trainable, {n: tuple(s) for n, s in frozen_shapes.items()}, shared or {})
+
+
+def check_state_keys(rec: Records) -> None:
+    """Every rank's optimizer state must have the same per-element entries in every group (sub-group) as the
+    first rank's: a rank file without one (a damaged or edited file) is a problem naming it."""
+    def keys_of(osd, g):
+        if rec.zero_stage == 3:
+            st = ((osd.get("optimizer_state_dict") or {}).get("state") or {}).get(g)
+        else:
+            base = osd.get("base_optimizer_state")
+            st = (base.get("state") or {}).get(g) if isinstance(base, dict) else \
+                (base[g] if isinstance(base, (list, tuple)) and g < len(base) else None)
+        return sorted(k for k in st) if isinstance(st, dict) else None
+
+    ranks = sorted(rec.index.optim)
+    if not ranks:
+        return
+    groups = len(rec.layouts[0].sub_group_sizes) if rec.zero_stage == 3 else len(rec.layouts)
+    first = rec.index.optim[ranks[0]]
+    names = {f.dp_rank: f.relpath for f in rec.files if f.kind == fnames.OPTIM_STATES}
+    for g in range(groups):
+        want = keys_of(first, g)
+        for rank in ranks[1:]:
+            have = keys_of(rec.index.optim[rank], g)
+            if have != want:
+                missing = sorted(set(want or []) - set(have or []))
+                extra = sorted(set(have or []) - set(want or []))
+                rec.problems.append(
+                    f"{names.get(rank.dp, rank)}: the optimizer state of group {g} "
+                    + (f"has no {', '.join(repr(k) for k in missing)}" if missing else "")
+                    + (" and " if missing and extra else "")
+                    + (f"has {', '.join(repr(k) for k in extra)} too" if extra else "")
+                    + f" (dp rank {ranks[0].dp}'s has {', '.join(want or []) or 'none'}): the file is damaged or "
+                    "from another run")
 
 
 # ============================================================================================ ZeRO-3
@@ -105,7 +160,7 @@ def build_zero3(rec: Records, fs: OpenedFiles, model: dict, model_files: list[Fi
         if r >= n:
             continue  # an extra file, reported as such
         if not isinstance(flats, (list, tuple)) or len(flats) != len(layout.sub_group_sizes):
-            rec.problems.append(f"rank {r}: 'fp32_flat_groups' has {len(flats) if flats else 'no'} sub-groups, "
+            rec.problems.append(f"{_who(optim_files, r)}: 'fp32_flat_groups' has {len(flats) if flats else 'no'} sub-groups, "
                                 f"param_shapes has {len(layout.sub_group_sizes)}")
             continue
         for k, (t, want) in enumerate(zip(flats, layout.sub_group_sizes)):
@@ -114,7 +169,7 @@ def build_zero3(rec: Records, fs: OpenedFiles, model: dict, model_files: list[Fi
                 if isinstance(t, TensorHandle) and t.numel == 0 and want:
                     empties.setdefault(r, {})[k] = t  # swapped to NVMe: its swap files are matched below
                 else:
-                    rec.problems.append(f"rank {r} sub-group {k}: the fp32 partition holds {got} elements, "
+                    rec.problems.append(f"{_who(optim_files, r)} sub-group {k}: the fp32 partition holds {got} elements, "
                                         f"{want} are expected from param_shapes at {n} ranks")
     if empties:
         _swapped_partitions(rec, fs, model, layout, empties)
@@ -138,6 +193,7 @@ def build_zero3(rec: Records, fs: OpenedFiles, model: dict, model_files: list[Fi
             rec.index.frozen[name] = chunks
         else:
             rec.problems.append(f"frozen parameter {name}: chunks missing on some ranks")
+    check_state_keys(rec)
     collect_parameters(rec, model, trainable, frozen_shapes, shared or {})
 
 
@@ -169,61 +225,6 @@ def _swapped_partitions(rec: Records, fs: OpenedFiles, model: dict, layout: Zero
         ranks = sorted({dp for dp, _ in found.tensors})
         rec.notes.append(f"NVMe offload: {len(found.tensors)} partition(s) of {len(ranks)} rank(s) are read from "
                          f"{offload.SWAP_DIR}/ (DeepSpeed's parameter ids start at {found.offset}); " + offload.WHY)
-
-
-# ============================================================================================ stage 0
-def build_stage0(rec: Records, model: dict, expert_optimizers: Optional[dict] = None) -> None:
-    module = rec.index.module
-    buffers = set(model.get("buffer_names") or [])
-    opt = model.get("optimizer")
-    rec.index.stage0_optimizer = opt if isinstance(opt, dict) else {}
-    aliases = aliases_by_storage(module, buffers)
-    names = [n for n, t in module.items() if isinstance(t, TensorHandle) and n not in buffers and n not in aliases]
-    # which parameters does the optimizer hold, in which group? Match shapes in model order.
-    groups = _stage0_group_shapes(opt)
-    trainable: dict[str, tuple] = {}
-    if groups is None:
-        for n in names:
-            trainable[n] = (tuple(module[n].shape), 0)
-    else:
-        taken: set = set()
-        for g, shapes in enumerate(groups):
-            pos = 0
-            for i, shape in enumerate(shapes):
-                while pos < len(names) and (names[pos] in taken or tuple(module[names[pos]].shape) != shape):
-                    pos += 1
-                if pos == len(names):
-                    rec.problems.append(f"ZeRO-0: optimizer group {g} entry {i} of shape {list(shape)} "
-                                        "matches no parameter of the module")
-                    break
-                taken.add(names[pos])
-                trainable[names[pos]] = (shape, g)
-                rec.index.stage0[names[pos]] = (g, i)
-    if expert_optimizers:
-        _stage0_experts(rec, names, module, expert_optimizers, trainable)
-    collect_parameters(rec, model, trainable, {}, aliases)
-
-
-def _stage0_experts(rec: Records, names: list, module: dict, optimizers: dict, trainable: dict) -> None:
-    """ZeRO-0 MoE: expert-parallel rank ``e``'s optimizer (``expp_rank_{e}``) holds the dense parameters and
-    its own experts; match its groups' entries to those experts (global names, in order) by shape."""
-    rec.index.stage0_optimizers = dict(optimizers)
-    experts = [n for n in names if expert_id(n) is not None]
-    ranks = sorted(optimizers)
-    per_rank = len(experts) // max(len(ranks), 1)
-    for e in ranks:
-        mine = experts[e * per_rank:(e + 1) * per_rank]
-        shapes = _stage0_group_shapes(optimizers[e]) or []
-        pos = 0
-        for g, group in enumerate(shapes):
-            for i, shape in enumerate(group):
-                if pos < len(mine) and g > 0 and tuple(module[mine[pos]].shape) == shape:
-                    trainable[mine[pos]] = (shape, g)
-                    rec.index.stage0[mine[pos]] = (g, i, e)
-                    pos += 1
-        if pos != len(mine):
-            rec.problems.append(f"expp_rank_{e}: its optimizer holds {pos} of the {len(mine)} expert tensors of "
-                                f"expert-parallel rank {e}")
 
 
 # ============================================================================================ shared
@@ -286,6 +287,13 @@ def check_rank_files(rec: Records, files: list[FileInfo], n: Optional[int], what
         rec.problems.append(f"partition_count {n} differs from the model file's dp_world_size {rec.dp_world_size}")
 
 
+def _who(files: list[FileInfo], rank: int) -> str:
+    """``"global_step2/zero_pp_rank_1_mp_rank_00_optim_states.pt (dp rank 1)"``: the file of ``rank`` as the user
+    sees it, for messages (``rank 1`` when there is no such file)."""
+    f = next((f for f in files if f.dp_rank == rank), None)
+    return f"{f.relpath} (dp rank {rank})" if f is not None else f"rank {rank}"
+
+
 def _rank_file_name(files: list[FileInfo], rank: int) -> str:
     """The name the file of dp rank ``rank`` would have, like the other files of its kind."""
     like = next((f for f in files if f.dp_rank is not None), None)
@@ -338,26 +346,5 @@ def aliases_by_storage(module: dict, buffers: set) -> dict[str, str]:
     return aliases
 
 
-def _stage0_group_shapes(opt: Any) -> Optional[list[list[tuple]]]:
-    """Shapes of the parameters each optimizer group holds, in order (stage 0)."""
-    if not isinstance(opt, dict):
-        return None
-    if "fp32_groups" in opt:
-        return [[tuple(t.shape) for t in g] for g in opt["fp32_groups"]]
-    inner = opt.get("optimizer_state_dict", opt)
-    state, groups = inner.get("state") or {}, inner.get("param_groups") or []
-    out = []
-    for g in groups:
-        shapes = []
-        for pid in g.get("params", []):
-            s = state.get(pid) or {}
-            t = next((v for k, v in s.items() if k != "step" and isinstance(v, TensorHandle)), None)
-            if t is None:
-                return None  # no state to learn shapes from
-            shapes.append(tuple(t.shape))
-        out.append(shapes)
-    return out
-
-
-__all__ = ["build_zero12", "build_zero3", "build_stage0", "collect_parameters", "check_rank_files",
+__all__ = ["build_zero12", "build_zero3", "collect_parameters", "check_rank_files", "check_state_keys",
            "aliases_by_storage"]

@@ -92,6 +92,7 @@ class TensorIndex:
     stage0_optimizers: dict = field(default_factory=dict)  # ZeRO-0 MoE: expert-parallel rank -> its optimizer
     experts: dict = field(default_factory=dict)      # MoE: global name -> (group, expert-parallel rank, local name)
     swapped: dict = field(default_factory=dict)      # NVMe offload: (dp, sub-group) -> {state or None: RawTensor}
+    stage0_ambiguous: dict = field(default_factory=dict)  # ZeRO-0: matched name -> the other name it could be
 
 
 @dataclass

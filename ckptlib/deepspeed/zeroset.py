@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from ..errors import IncompleteCheckpointError
+from ..errors import IncompleteCheckpointError, MissingEntryError, UnsupportedCheckpointError
 from ..io.torchzip import TensorHandle, TorchFile
 from ..layout.flat import Piece
 from ..layout.ranges import StoredRange, Zeros
@@ -120,7 +120,7 @@ class ZeroSet:
         osd = self.records.index.optim.get(rank)
         if osd is None:
             raise IncompleteCheckpointError(f"the optimizer-state file of {rank} is missing or unreadable",
-                                            path=self.location.tag_dir)
+                                            path=self._optim_path(rank))
         return osd
 
     def partition_tensor(self, rank: Rank, group: int, state: Optional[str] = None) -> TensorHandle:
@@ -132,17 +132,31 @@ class ZeroSet:
         if swapped is not None and state in swapped:
             return swapped[state]
         osd = self.optimizer_state_dict(rank)
-        if state is None:
-            return osd["fp32_flat_groups" if self.zero_stage == 3 else "single_partition_of_fp32_groups"][group]
-        if self.zero_stage == 3:
-            states = osd["optimizer_state_dict"]["state"]
-        else:
-            base = osd["base_optimizer_state"]
-            states = base["state"] if isinstance(base, dict) else dict(enumerate(base))
         try:
-            return states[group][state]
+            if state is None:
+                t = osd["fp32_flat_groups" if self.zero_stage == 3 else "single_partition_of_fp32_groups"][group]
+            else:
+                if self.zero_stage == 3:
+                    states = osd["optimizer_state_dict"]["state"]
+                else:
+                    base = osd["base_optimizer_state"]
+                    states = base["state"] if isinstance(base, dict) else dict(enumerate(base))
+                t = states[group][state]
         except (KeyError, IndexError, TypeError):
-            raise KeyError(f"the optimizer state has no '{state}' for group {group} on {rank}") from None
+            what = "fp32 partition" if state is None else f"optimizer state '{state}'"
+            raise MissingEntryError(f"the file has no {what} of group {group} ({rank})",
+                                    path=self._optim_path(rank)) from None
+        if state is None and not isinstance(t, TensorHandle):
+            raise MissingEntryError(f"the fp32 partition of group {group} ({rank}) is not a tensor",
+                                    path=self._optim_path(rank))
+        return t
+
+    def _optim_path(self, rank: Rank) -> str:
+        """The optimizer-states file of ``rank`` (for messages), or the tag folder."""
+        for f in self._files.of(fnames.OPTIM_STATES, mp_rank=self.mp):
+            if f.dp_rank == rank.dp:
+                return str(f.path)
+        return str(self.location.tag_dir)
 
     def frozen_chunks(self, name: str) -> list[TensorHandle]:
         """The stored chunks of frozen parameter ``name`` in rank order (one tensor, except at ZeRO-3 where
@@ -222,15 +236,45 @@ class ZeroSet:
                                             path=self.location.tag_dir)
         return out
 
+    def _stage0_optimizer(self, name: str) -> dict:
+        where = self.records.index.stage0.get(name, (None, None))
+        return self.records.index.stage0_optimizers[where[2]] if len(where) > 2 else \
+            (self.records.index.stage0_optimizer or {})
+
+    def stage0_proofs(self) -> list[tuple[str, list, list, str]]:
+        """ZeRO-0 names nothing; where another parameter of the same shape could have been an optimizer
+        entry (``records.index.stage0_ambiguous``), the choice is proven by the values: ``(what, fp32 master
+        ranges, saved weight ranges, saved dtype)`` that must be equal once the master is cast to the saved
+        weight's dtype (16-bit training keeps the module weights the masters rounded). Plans compare them
+        before writing; where the module holds the fp32 values themselves there is nothing to compare (the
+        weights are exact either way, the optimizer states are refused: :meth:`sources`)."""
+        out = []
+        for name, other in self.records.index.stage0_ambiguous.items():
+            g, i = self.records.index.stage0[name][:2]
+            if "fp32_groups" not in self._stage0_optimizer(name):
+                continue
+            saved = self.module_tensor(name)
+            out.append((f"{name}: its fp32 master (optimizer group {g} entry {i}; ZeRO-0 records no names, and "
+                        f"{other} has the same shape) cast to {saved.dtype_name} and its saved {saved.dtype_name} "
+                        "weight", self._stage0_handle(self.param(name), None).ranges(), saved.ranges(),
+                        saved.dtype_name))
+        return out
+
     def _stage0_handle(self, p: ParameterInfo, key: Optional[str]) -> TensorHandle:
         where = self.records.index.stage0.get(p.name, (None, None))
         g, i = where[:2]
-        opt = self.records.index.stage0_optimizers[where[2]] if len(where) > 2 else \
-            (self.records.index.stage0_optimizer or {})
+        opt = self._stage0_optimizer(p.name)
+        other = self.records.index.stage0_ambiguous.get(p.name)
         if key is None:
             if "fp32_groups" in opt and g is not None:
                 return opt["fp32_groups"][g][i]
             return self.module_tensor(p.name)
+        if other is not None and "fp32_groups" not in opt:
+            raise UnsupportedCheckpointError(
+                f"ZeRO-0 records no names: optimizer group {g} entry {i} is {p.name} or {other} (the same shape, one "
+                f"of them in no group), and its '{key}' cannot be told to be either's", path=self.location.tag_dir,
+                hint="the weights export exactly without --states; states need a checkpoint saved with ZeRO-1 or "
+                     "later, which records names")
         if g is None:
             raise KeyError(f"no optimizer state is known for {p.name}")
         inner = opt.get("optimizer_state_dict", opt)

@@ -47,7 +47,7 @@ from ..io.streaming import load_cast_kernels
 from ..plan import THREADS, Plan
 from ..progress import Observer
 from ..system.memory import watch_memory
-from .runner import AnyOf, RunResult, compare_copies, finished, write_in_threads
+from .runner import AnyOf, RunResult, compare_copies, finished, verify_source_crcs, write_in_threads
 from .writers import Unit, assign, needs_cast_kernels, prepare, units, write_finals
 
 
@@ -320,6 +320,7 @@ def _prepare_on_rank0(plan: Plan, rank: int) -> tuple[Path, Optional[AtomicOutpu
         try:
             with reporting_failures(plan.out, Observer()):  # an OSError becomes one OutputError naming the output
                 check_unchanged(plan.source.stamps)
+                verify_source_crcs(plan)
                 compare_copies(plan)
                 atomic = AtomicOutputDir(plan.out, source=plan.source.save_dir, overwrite=plan.overwrite,
                                          sync=plan.sync)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ..errors import IncompleteCheckpointError
+from ..io.crc import describe_mismatch, verify_entries
 from ..io.output import AtomicOutputDir, reporting_failures
 from ..io.sources import SourceFiles, check_unchanged
 from ..io.streaming import first_difference, load_cast_kernels
@@ -83,6 +84,7 @@ def run(plan: Plan, observer: Optional[Observer] = None, cancel: Any = None) -> 
             check_unchanged(plan.source.stamps)
             if needs_cast_kernels(plan):  # numpy, loaded (or refused for want of memory) before anything is written
                 load_cast_kernels()
+            verify_source_crcs(plan, cancel)
             compare_copies(plan, cancel)
             with AtomicOutputDir(plan.out, source=plan.source.save_dir, overwrite=plan.overwrite,
                                  sync=plan.sync) as tmp:
@@ -100,6 +102,24 @@ def run(plan: Plan, observer: Optional[Observer] = None, cancel: Any = None) -> 
     return result
 
 
+def verify_source_crcs(plan: Plan, cancel: Any = None) -> None:
+    """Verify the CRC-32 of the source's zip members the plan lists (``--verify-crc``) before anything is
+    written.
+
+    Raises:
+        IncompleteCheckpointError: naming every file and member whose bytes changed since they were saved.
+    """
+    if not plan.crc:
+        return
+    with SourceFiles() as files:
+        bad = verify_entries(plan.crc, files, plan.chunk_bytes, cancel=cancel)
+    if bad:
+        raise IncompleteCheckpointError(
+            "the CRC-32 of the source does not match: " + "; ".join(f"{e.path}: {describe_mismatch(e, got)}"
+                                                                   for e, got in bad), path=plan.source.tag_dir,
+            hint="copy the files named again from the original, or use another tag; nothing was written")
+
+
 def compare_copies(plan: Plan, cancel: Any = None) -> None:
     """Run the plan's range checks (copies that must be equal) before anything is written.
 
@@ -112,10 +132,14 @@ def compare_copies(plan: Plan, cancel: Any = None) -> None:
         for c in plan.checks:
             at = first_difference(c.a, c.b, c.dtype, files, plan.chunk_bytes, cancel)
             if at is not None:
+                proof = " master" in c.what  # a value proof (ZeRO-0's unnamed optimizer entries)
                 raise IncompleteCheckpointError(
-                    f"{c.what} differ (first at element {at}) although the checkpoint says they are one tensor "
-                    "stored on several ranks; ckptlib does not pick one", path=plan.source.tag_dir,
-                    hint="one of the rank files is damaged or from another run: restore it from a copy")
+                    f"{c.what} differ (first at element {at})" + (
+                        ": the optimizer entry is not this parameter, and which one it is cannot be proven; nothing "
+                        "was written" if proof else " although the checkpoint says they are one tensor stored on "
+                        "several ranks; ckptlib does not pick one"), path=plan.source.tag_dir,
+                    hint="a file is damaged or from another run: restore it from a copy" if not proof else
+                    "re-save the checkpoint with ZeRO-1 or later (which records names), or report it")
 
 
 def finished(plan: Plan, seconds: float, read: int, memory: Optional[MemoryReport]) -> RunResult:

@@ -184,7 +184,7 @@ def _write_safetensors(f: WeightsFile, which, path: Path, ctx: WriteContext) -> 
     fd = os.open(path, os.O_WRONLY)
     try:
         behind = WriteBehind(fd, unsynced=ctx.unsynced)  # written bytes go on to disk and leave the page cache
-        for i in which:
+        for i in sorted(which, key=lambda i: layout.tensor_offset(f.tensors[i].name)):  # in file order
             t = f.tensors[i]
             ctx.observer.on_tensor(t.name)
             sink = PwriteSink(fd, layout.tensor_offset(t.name), behind=behind)

@@ -11,8 +11,10 @@ from typing import Optional, Sequence, Union
 
 from ..dcp import is_dcp
 from ..deepspeed import Checkpoint, hf, open_checkpoint
+from ..deepspeed.exactness import require_exact, value_proofs
 from ..dtypes import BY_SHORT, OUTPUT_DTYPES, is_floating
 from ..errors import CkptError
+from ..io.crc import entries_touching
 from ..io.streaming import DEFAULT_CHUNK_BYTES
 from ..plan import CopyFile, PlannedTensor, RangeCheck, TextFile, WeightsFile
 from ..system.gcpause import gc_paused
@@ -48,7 +50,7 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
                 max_shard_size: Union[int, str] = "5GB", exclude_frozen: bool = False,
                 states: Sequence[str] = (), workers: int = 1, overwrite: bool = False,
                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, tp_rules=None, hf_files: bool = True,
-                sync: bool = True, dcp: Optional[dict] = None) -> ExportPlan:
+                sync: bool = True, dcp: Optional[dict] = None, verify_crc: bool = False) -> ExportPlan:
     """Plan the export of consolidated weights (and optionally optimizer states); reads no tensor data.
 
     Args:
@@ -73,6 +75,8 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
         dcp: with ``format="dcp"``: ``layout`` (``"torch"``, ``"torchtitan"``, ``"accelerate"``) and
             ``optimizer`` (True: the optimizer state too; ``states`` naming any state does the same); see
             :mod:`ckptlib.export.dcp`. The result is a :class:`~ckptlib.export.dcp.DcpPlan`.
+        verify_crc: verify the CRC-32 of every zip member of the checkpoint the export reads, before writing
+            (one more read of those bytes; a mismatch is refused, naming the file and member).
         sync: put the output on disk before it appears under its name (default; see :class:`~ckptlib.plan.Plan`).
             False leaves the writing to the kernel after the run, as ``torch.save`` and DeepSpeed do:
             faster, still atomic against a killed or failing run, but not against a power cut.
@@ -91,6 +95,7 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
     if format not in FORMATS:
         raise CkptError(f"unknown format {format!r}; choose one of {', '.join(FORMATS)}")
     if format == "dcp":
+        require_exact(ck)  # the validation of every conversion, as below
         return _plan_dcp(ck, out, dtype=dtype, max_shard_size=max_shard_size, states=states, workers=workers,
                          overwrite=overwrite, chunk_bytes=chunk_bytes, sync=sync, exclude_frozen=exclude_frozen,
                          **(dcp or {}))
@@ -101,11 +106,16 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
     if workers < 1:
         raise CkptError("workers must be at least 1")
     limit = _limit(max_shard_size)
-    ck.check_readable()
+    require_exact(ck)  # the one validation of every conversion: readable, every rank file what its name says
     warnings = []
     if ck.flavor != "no_zero" and ck.zero_stage == 1 and any(not p.trainable and not p.tied_to for p in ck.parameters):
         warnings.append("ZeRO-1 does not save fp32 copies of frozen parameters: they are exported from the "
                         f"{ck.dtype} module weights (DeepSpeed's converter drops them)")
+    if ck.flavor == "no_zero" and ck.dtype in ("bf16", "fp16"):
+        lowp = [p.name for p in ck.parameters if not p.trainable and not p.tied_to]
+        if lowp:
+            warnings.append(f"ZeRO-0: {', '.join(lowp)} in no optimizer group (frozen; the checkpoint holds no fp32 "
+                            f"master for them): exported from the {ck.dtype} module weights")
     out_dtype = BY_SHORT[dtype].name
     sets = [("", _weights(ck, out_dtype, exclude_frozen))]
     known = set(ck.optimizer.state_keys) if ck.optimizer else set()
@@ -138,7 +148,9 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
             finals.append(TextFile(prefix + index, index_json(group, key), kind="index"))
     checks = [RangeCheck(what, tuple(a), tuple(b), a[0].dtype if a else "float32")  # compared as stored
               for f in files for t in f.tensors for what, a, b in ck.replica_checks(t.source, t.key)
-              if t.kind != "tied"]
+              if t.kind != "tied"] + value_proofs(ck)
+    crc = entries_touching(ck.zip_entries(), [r for f in files for t in f.tensors for r in t.ranges] +
+                           [r for c in checks for r in c.a + c.b]) if verify_crc else []
     side, side_notes = _side_files(ck, out_dtype) if hf_files else ([], [])
     files += [f for f in side if isinstance(f, CopyFile)]
     finals = [f for f in side if isinstance(f, TextFile)] + finals
@@ -148,7 +160,7 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
                       chunk_bytes=chunk_bytes, workers=workers,
                       overwrite=overwrite, sync=sync,
                       notes=warnings + [n for n in ck.view.notes if ck.kind != "data_parallel"] + side_notes,
-                      checks=checks)
+                      checks=checks, crc=crc)
 
 
 def _limit(max_shard_size: Union[int, str]) -> int:

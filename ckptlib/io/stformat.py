@@ -4,6 +4,12 @@ read back from an existing file (no torch, no safetensors package needed).
 A safetensors file is an 8-byte little-endian header length, a JSON header (``__metadata__`` and, per
 tensor, ``dtype``, ``shape`` and ``data_offsets`` relative to the data start), padded to 8 bytes, then
 the tensors' bytes in order.
+
+Every tensor starts at an offset that is a multiple of its element size, as the official writer does it:
+the data is laid out widest element first (8-, then 4-, 2- and 1-byte dtypes; the given order within each
+size), so that zero-copy readers can view each tensor in place (a 3-byte bool buffer before float32
+tensors would leave them at odd offsets). The order of the tensors as given (a model's ``state_dict``
+order) is kept wherever it does not cost alignment.
 """
 from __future__ import annotations
 
@@ -29,15 +35,22 @@ class TensorSpec(Shaped):
     shape: tuple
 
 
+def aligned_order(tensors: Sequence[TensorSpec]) -> list[TensorSpec]:
+    """``tensors`` ordered widest element first (stable): laid out in this order from an offset that is a
+    multiple of 8, every tensor starts at a multiple of its element size (sizes are powers of two)."""
+    return sorted(tensors, key=lambda t: -itemsize(t.dtype))
+
+
 class SafetensorsLayout:
-    """The byte layout of a safetensors file holding ``tensors`` in the given order."""
+    """The byte layout of a safetensors file holding ``tensors``: their data in :func:`aligned_order`, each at
+    an offset that is a multiple of its element size (``tensors`` keeps the order given)."""
 
     def __init__(self, tensors: Sequence[TensorSpec], metadata: Optional[dict] = None):
         self.tensors = list(tensors)
         header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
         self.offsets: dict[str, tuple[int, int]] = {}
         pos = 0
-        for t in self.tensors:
+        for t in aligned_order(self.tensors):
             code = lookup(t.dtype).safetensors
             if code is None:
                 raise ValueError(f"safetensors cannot hold dtype {t.dtype}")
@@ -108,4 +121,4 @@ def read_header(path: str | os.PathLike) -> tuple[dict, list[StoredTensorInfo]]:
     return meta, sorted(out, key=lambda t: t.offset)
 
 
-__all__ = ["TensorSpec", "SafetensorsLayout", "StoredTensorInfo", "read_header"]
+__all__ = ["TensorSpec", "SafetensorsLayout", "StoredTensorInfo", "aligned_order", "read_header"]

@@ -20,11 +20,11 @@ from typing import Optional
 
 from ..deepspeed import BF16_OPTIMIZER, NO_ZERO, ZERO, Checkpoint, SplitRules
 from ..deepspeed import files as fnames
+from ..deepspeed.exactness import replica_checks
 from ..deepspeed.join import PIPELINE
 from ..errors import UnsupportedCheckpointError
-from ..layout.ranges import numel
 from ..mesh import Mesh
-from ..plan import CopyFile, RangeCheck, TextFile
+from ..plan import CopyFile
 from .footprint import footprint
 from .mesh_files import (MeshZero3Writer, MeshZero12Writer, ShardRanges, layer_file_tree, model_states_tree,
                          stage0_optimizer, zero3_model_states)
@@ -188,24 +188,4 @@ def plan_mesh_files(ck: Checkpoint, mesh: Mesh, *, tp_rules: Optional[SplitRules
     return files, notes, checks, [tag], prints
 
 
-def replica_checks(ck: Checkpoint) -> list:
-    """Every tensor stored more than once must hold the same bytes everywhere (the target reads one copy)."""
-    out = []
-    keys = [None] + (list(ck.optimizer.state_keys) if ck.optimizer else [])
-    for p in ck.view.parameters:
-        if p.tied_to:
-            continue
-        for key in keys if p.trainable else [None]:
-            try:
-                pairs = ck.replica_checks(p.name, key)
-            except KeyError:
-                continue
-            for what, a, b in pairs:
-                out.append(RangeCheck(what, tuple(a), tuple(b), a[0].dtype if a else "float32"))
-    for b in ck.view.buffers:
-        for what, x, y in ck.replica_checks(b.name):
-            out.append(RangeCheck(what, tuple(x), tuple(y), x[0].dtype if x else b.dtype))
-    return [c for c in out if numel(c.a)]
-
-
-__all__ = ["plan_mesh_files", "replica_checks"]
+__all__ = ["plan_mesh_files"]

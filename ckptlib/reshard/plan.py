@@ -8,6 +8,7 @@ from typing import ClassVar, Optional, Union
 
 from ..deepspeed import BF16_OPTIMIZER, NO_ZERO, Checkpoint, open_checkpoint
 from ..deepspeed import files as fnames
+from ..deepspeed.exactness import replica_checks, require_exact
 from ..errors import CkptError, UnsupportedCheckpointError
 from ..mesh import Mesh
 from ..io.streaming import DEFAULT_CHUNK_BYTES
@@ -100,7 +101,7 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
                  ep: Optional[int] = None, pp_partition: Optional[str] = None, pp_layers: Optional[int] = None,
                  pp_tied: Optional[dict] = None, tag: Optional[str] = None, overwrite: bool = False,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, workers: Optional[int] = None, tp_rules=None,
-                 hf_files: bool = True, sync: bool = True, gpu_memory=None) -> ReshardPlan:
+                 hf_files: bool = True, sync: bool = True, gpu_memory=None, verify_crc: bool = False) -> ReshardPlan:
     """Plan rewriting a ZeRO-1/2/3 checkpoint for ``world_size`` data-parallel ranks (metadata only), and
     for ``tp`` tensor-parallel ranks and ``pp`` pipeline stages (unnamed sizes are kept).
 
@@ -128,10 +129,13 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
     ``gpu_memory`` (bytes, or ``"80GB"``): the plan compares each rank's training memory at the new mesh
     (model states, :mod:`ckptlib.reshard.footprint`) with it.
 
+    ``verify_crc``: verify the CRC-32 of every zip member of the tag folder's torch files before writing
+    (one more read of the checkpoint; a mismatch is refused, naming the file and member).
+
     Memory: the plan (object trees whose tensors are range lists, not read yet).
     """
     ck = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, tag=tag, tp_rules=tp_rules)
-    ck.check_readable()
+    require_exact(ck)  # the validation export and the universal checkpoint run too
     world_size = ck.mesh.dp if world_size is None else world_size
     for what, size in (("data-parallel", world_size), ("tensor-parallel", tp), ("pipeline", pp), ("expert-parallel", ep)):
         if size is not None and size < 1:
@@ -149,7 +153,7 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
                            files=files, finals=[TextFile("latest", ck.location.tag, kind="latest")], folders=folders,
                            chunk_bytes=chunk_bytes, overwrite=overwrite, sync=sync, notes=notes, checks=checks,
                            workers=workers or default_workers(), from_mesh=ck.mesh, to_mesh=mesh, footprints=prints,
-                           gpu_memory=gpu)
+                           gpu_memory=gpu, crc=every_entry(ck) if verify_crc else [])
     refuse_unsupported(ck)
     tag_name = ck.location.tag
     files: list = []
@@ -185,7 +189,14 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
     return ReshardPlan(footprints=prints, gpu_memory=gpu, from_mesh=ck.mesh, source=ck.source_ref(), out=Path(out).expanduser().resolve(), world_size=world_size,
                        files=files, finals=[TextFile("latest", tag_name, kind="latest")], folders=[tag_name],
                        chunk_bytes=chunk_bytes, overwrite=overwrite, sync=sync, notes=notes,
-                       workers=workers or default_workers())
+                       workers=workers or default_workers(), checks=replica_checks(ck),
+                       crc=every_entry(ck) if verify_crc else [])
+
+
+def every_entry(ck: Checkpoint) -> list:
+    """Every zip member of every torch file of the tag folder (what ``--verify-crc`` verifies for a reshard,
+    which reads or copies all of them)."""
+    return [e for entries in ck.zip_entries(every=True).values() for e in entries]
 
 
 def refuse_unsupported(ck: Checkpoint) -> None:
@@ -207,4 +218,4 @@ def refuse_unsupported(ck: Checkpoint) -> None:
             hint="`ckpt export` writes its full model; train with ZeRO-1 to make checkpoints that reshard")
 
 
-__all__ = ["ReshardPlan", "plan_reshard", "default_workers", "refuse_unsupported"]
+__all__ = ["ReshardPlan", "plan_reshard", "default_workers", "refuse_unsupported", "every_entry"]

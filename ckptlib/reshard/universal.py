@@ -88,6 +88,7 @@ from typing import Any, ClassVar, Optional, Union
 
 from ..deepspeed import NO_ZERO, Checkpoint, open_checkpoint
 from ..deepspeed import files as fnames
+from ..deepspeed.exactness import replica_checks, require_exact
 from ..errors import IncompleteCheckpointError, UnsupportedCheckpointError
 from ..io.rawfile import RawTensor
 from ..io.streaming import DEFAULT_CHUNK_BYTES
@@ -95,7 +96,7 @@ from ..io.torchzip import TensorHandle
 from ..mesh import Rank
 from ..plan import CopyFile, Plan, TextFile
 from ..units import human_bytes
-from .plan import default_workers, refuse_unsupported
+from .plan import default_workers, every_entry, refuse_unsupported
 from .trees import client_files, copied, replace, streamed, tree_file
 
 UNIVERSAL_SUFFIX = "_universal"
@@ -294,18 +295,18 @@ def _model_state_files(ck: Checkpoint, utag: str) -> list:
 def plan_universal(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str, os.PathLike], *,
                    tag: Optional[str] = None, overwrite: bool = False,
                    chunk_bytes: int = DEFAULT_CHUNK_BYTES, workers: Optional[int] = None,
-                   tp_rules=None, hf_files: bool = True, sync: bool = True) -> UniversalPlan:
+                   tp_rules=None, hf_files: bool = True, sync: bool = True, verify_crc: bool = False) -> UniversalPlan:
     """Plan writing the universal checkpoint of a ZeRO-1/2/3 (or BF16_Optimizer) checkpoint (metadata only).
 
     ``out`` is a new folder that DeepSpeed loads with ``engine.load_checkpoint(out)`` and
     ``"checkpoint": {"load_universal": true}`` at any data-parallel size (see the module docstring for
     the layout and what the loader reads). ``hf_files``: carry over the HF Trainer / Accelerate files
     beside the checkpoint as :func:`~ckptlib.reshard.plan_reshard` does (the RNG states as saved).
-    ``sync``: as for :func:`~ckptlib.reshard.plan_reshard`.
+    ``sync``, ``verify_crc``: as for :func:`~ckptlib.reshard.plan_reshard`.
     Memory: the plan (object trees whose tensors are range lists, not read yet).
     """
     ck = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, tag=tag, tp_rules=tp_rules)
-    ck.check_readable()
+    require_exact(ck)  # the validation export and reshard run too
     if ck.flavor == NO_ZERO:
         raise UnsupportedCheckpointError(
             "this checkpoint has no ZeRO partitioning (stage 0): DeepSpeed's universal loader only works with "
@@ -360,6 +361,7 @@ def plan_universal(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[s
     return UniversalPlan(source=ck.source_ref(), out=Path(out).expanduser().resolve(), universal_tag=utag,
                          files=files, finals=[TextFile(LATEST_UNIVERSAL, utag, kind="latest")],
                          folders=[f"{utag}/zero"], chunk_bytes=chunk_bytes, overwrite=overwrite, sync=sync,
+                         checks=replica_checks(ck), crc=every_entry(ck) if verify_crc else [],
                          notes=src.notes + _notes(ck, tied, skipped_frozen) + carried_notes + load,
                          workers=workers or default_workers())
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ...dtypes import BY_NAME, TORCH_TENSORS, decode_scalar, import_torch, torch_dtype
+from ...errors import IncompleteCheckpointError
 from ...dtypes import itemsize as dtype_itemsize
 from ...layout.ranges import StoredRange
 from .specs import StorageAddress, StoredTensor
@@ -113,7 +114,8 @@ class TensorHandle:
         """Raise ``ValueError`` if the tensor reaches outside its storage."""
         last = self.storage_offset + sum((s - 1) * st for s, st in zip(self.shape, self.stride)) if self.numel else 0
         if self.numel and (self.storage_offset < 0 or last >= self.storage.numel):
-            raise ValueError(f"tensor {self!r} reaches outside its storage of {self.storage.numel} elements")
+            raise IncompleteCheckpointError(f"tensor {self!r} reaches outside its storage of {self.storage.numel} "
+                                            "elements", path=self.path)
 
     def ranges(self, start: int = 0, count: Optional[int] = None) -> list[StoredRange]:
         """The stored byte ranges of elements ``[start, start+count)`` of the flattened tensor, in order
@@ -158,7 +160,8 @@ class TensorHandle:
             return None
         n, st = shape[0], self.storage
         if n and (self.storage_offset < 0 or self.storage_offset + n > st.numel):
-            raise ValueError(f"tensor {self!r} reaches outside its storage of {st.numel} elements")
+            raise IncompleteCheckpointError(f"tensor {self!r} reaches outside its storage of {st.numel} elements",
+                                            path=st.file.path)
         known = BY_NAME.get(st.dtype_name)
         size = known.itemsize if known is not None else dtype_itemsize(st.dtype_name)
         return st.file.path, st.data_offset + self.storage_offset * size, st.dtype_name, size, n

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ...dtypes import BY_NAME, itemsize
-from ...errors import CkptError, IncompleteCheckpointError, UnsafeCheckpointError, UnsupportedCheckpointError
+from ...errors import CkptError, IncompleteCheckpointError, UnsafeCheckpointError, UnsupportedCheckpointError, printable
 from ...layout.ranges import StoredRange
 from . import zipfmt
 from .handles import StorageRef
@@ -96,6 +96,18 @@ class PickleMemo:
 _UNREAD = object()  # a TorchFile's object tree that is not built yet (see PickleMemo)
 
 
+@dataclass(frozen=True, order=True)
+class ZipEntry:
+    """One member of a torch zip file, as plain data: its ``size`` bytes start at ``offset`` of ``path``, and
+    the zip directory records their CRC-32 ``crc`` (what :mod:`ckptlib.io.crc` verifies)."""
+
+    path: str
+    name: str
+    offset: int
+    size: int
+    crc: int
+
+
 class TorchFile:
     """One torch zip file, opened for metadata and ranged reads.
 
@@ -113,6 +125,7 @@ class TorchFile:
         self._fd: Optional[int] = None
         self._storages: dict[str, StorageRef] = {}
         self._memo = memo
+        self.entries: tuple = ()  # every zip member as a ZipEntry, by offset
         self._pickle: Optional[bytes] = None  # kept until the object tree is built (shared with the memo)
         self._lock = threading.Lock()
         try:
@@ -174,7 +187,16 @@ class TorchFile:
         self._members = members
         try:
             self._offsets = self._data_offsets(members, pkl[0])
+            self.entries = tuple(sorted((ZipEntry(self.path, name, self._offsets[name], v[2], v[3])
+                                         for name, v in members.items() if name in self._offsets),
+                                        key=lambda e: e.offset))
+            self._check_byteorder()
             data = self._read_member(pkl[0])
+            if zlib.crc32(data) != members[pkl[0]][3]:
+                raise IncompleteCheckpointError(
+                    f"the pickle ({pkl[0]}) does not match the CRC-32 its zip directory records: the file's bytes "
+                    "changed after it was saved (a bad copy, bit rot), so its metadata cannot be trusted",
+                    path=self.path, hint="copy the file again from the original, or use another tag")
         except CkptError:
             raise
         except Exception as e:
@@ -222,8 +244,7 @@ class TorchFile:
         """Where the data of the pickle and of every storage member starts, from their local headers. Headers
         at most :data:`_NEAR` bytes apart (the empty or tiny storages of ZeRO-3 model files) are read
         together, one ``pread`` per run."""
-        data = self._prefix + "data/"
-        wanted = sorted((v[0], name) for name, v in members.items() if name == pkl or name.startswith(data))
+        wanted = sorted((v[0], name) for name, v in members.items())  # every member: its CRC can be checked
         out: dict[str, int] = {}
         for start, length, headers in zipfmt.header_runs(wanted, _NEAR):
             try:
@@ -231,6 +252,23 @@ class TorchFile:
             except ZipFormatError as e:
                 raise IncompleteCheckpointError(str(e), path=self.path) from None
         return out
+
+    def _check_byteorder(self) -> None:
+        """torch records the byte order of the tensor bytes in ``<archive>/byteorder`` (``little`` on every
+        machine it runs on today; files without the record are little-endian too). Anything else is refused:
+        ckptlib copies and casts the bytes as little-endian, where torch would swap them."""
+        name = self._prefix + "byteorder"
+        if name not in self._members:
+            return
+        if self._members[name][2] > 16:
+            raise IncompleteCheckpointError(f"its {name} record holds {self._members[name][2]} bytes, not a byte order",
+                                            path=self.path, hint="the file is damaged; copy it again or use another tag")
+        order = self._read_member(name).decode("ascii", "replace").strip()
+        if order != "little":
+            raise UnsupportedCheckpointError(
+                f"its tensors are stored {printable(order, 16)!r}-endian (the {name} record); ckptlib reads "
+                "little-endian tensor bytes only", path=self.path,
+                hint="load and re-save it with torch on a little-endian machine (torch swaps the bytes when it loads)")
 
     def _read_member(self, name: str) -> bytes:
         _, _, size, _, method = self._members[name]
@@ -265,6 +303,13 @@ class TorchFile:
         ref = self._storages[key] = StorageRef(file=self, key=key, dtype_name=dtype, numel=numel, data_offset=offset,
                                                stored_bytes=size, stored_crc=crc)
         return ref
+
+    @property
+    def archive_name(self) -> str:
+        """The name of the zip archive's top folder (``<name>/data.pkl``): torch names it after the file it
+        writes (its name without the extension), ``archive`` when it wrote to a file object. A file renamed
+        or copied over another keeps the name it was saved under."""
+        return self._prefix.rstrip("/")
 
     # ------------------------------------------------------------------ reading
     @property

@@ -48,8 +48,22 @@ def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=Fals
                        metadata=None):
     if not isinstance(storage, StorageRef):
         raise pickle.UnpicklingError("tensor rebuilt from something that is not a storage")
-    return TensorHandle(storage=storage, storage_offset=int(storage_offset), shape=tuple(size),
-                        stride=tuple(stride), requires_grad=bool(requires_grad))
+    try:
+        shape, strides = tuple(int(s) for s in size), tuple(int(s) for s in stride)
+        offset = int(storage_offset)
+    except (TypeError, ValueError):
+        raise pickle.UnpicklingError("a tensor's shape, stride or offset is not made of numbers") from None
+    if len(shape) != len(strides) or any(s < 0 for s in shape) or any(s < 0 for s in strides) or offset < 0:
+        raise pickle.UnpicklingError(f"a tensor of shape {list(shape)}, stride {list(strides)} and offset {offset} "
+                                     "is impossible")
+    if all(shape):  # a tensor with elements must lie inside its storage (torch would read past it)
+        last = offset + sum((n - 1) * st for n, st in zip(shape, strides))
+        if last >= storage.numel:
+            raise pickle.UnpicklingError(
+                f"a tensor of shape {list(shape)} at offset {offset} reaches element {last} of storage "
+                f"{storage.key}, which holds {storage.numel}")
+    return TensorHandle(storage=storage, storage_offset=offset, shape=shape, stride=strides,
+                        requires_grad=bool(requires_grad))
 
 
 def _rebuild_tensor(storage, storage_offset, size, stride):
@@ -144,6 +158,14 @@ class StorageClass(str):
 
 
 _STORAGE_CLASSES = {cls: StorageClass(d.name) for cls, d in BY_STORAGE_CLASS.items()}
+
+
+def allowed_global(module: str, name: str) -> bool:
+    """Whether :class:`SafeUnpickler` resolves the global ``module.name`` (to an inert stand-in or a tensor
+    rebuild); every other global is refused."""
+    if (module, name) in _ALLOWED:
+        return True
+    return module == "torch" and (name in _STORAGE_CLASSES or name in BY_NAME)
 
 
 class SafeUnpickler(pickle.Unpickler):

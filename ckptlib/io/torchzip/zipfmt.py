@@ -69,6 +69,19 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     return _multmodp(_x_pow_8bits(len2), crc1) ^ crc2
 
 
+@lru_cache(maxsize=256)
+def crc32_of_zeros(nbytes: int) -> int:
+    """The CRC-32 of ``nbytes`` zero bytes, in O(log n) steps (what an all-zero tensor's member records)."""
+    crc, block, size = 0, 0xD202EF8D, 1  # crc32(b"\0")
+    while nbytes:
+        if nbytes & 1:
+            crc = crc32_combine(crc, block, size)
+        block = crc32_combine(block, block, size)
+        size *= 2
+        nbytes >>= 1
+    return crc
+
+
 # ================================================================================================ layout
 @dataclass
 class Record:
@@ -234,7 +247,11 @@ def parse_directory(buf: bytes, d: Directory) -> dict[str, tuple]:
         try:
             name = raw.decode("ascii")  # what torch writes; the same in both encodings zip allows
         except UnicodeDecodeError:
-            name = raw.decode("utf-8" if flags & 0x800 else "cp437")
+            try:
+                name = raw.decode("utf-8" if flags & 0x800 else "cp437")
+            except UnicodeDecodeError:  # torch flags every name UTF-8: a damaged byte
+                raise ZipFormatError(f"the name of zip entry {len(out)} is not valid UTF-8 "
+                                     f"({raw[:60]!r}): a damaged central directory") from None
         if csize == 0xFFFFFFFF or size == 0xFFFFFFFF or off == 0xFFFFFFFF:
             size, csize, off = _zip64_fields(buf[name_end:name_end + xlen], size, csize, off)
         out[name] = (off + shift, csize, size, crc, method)
