@@ -115,6 +115,10 @@ def pipeline_sizes(fs: OpenedFiles, mps: list[int], models: dict, problems: list
     if mp_world is not None and mp_world != pp * tp:
         problems.append(f"mp_world_size {mp_world} is not pp {pp} x tp {tp} (checkpoint_parallel_dimensions)")
     want = set(range(pp * tp))
+    for mp in sorted(want & set(mps)):
+        if not fs.of(fnames.MODEL_STATES, mp):
+            problems.append(f"{fnames.model_states_name(mp)} is missing (stage {mp // tp}"
+                            + (f", tensor rank {mp % tp}" if tp > 1 else "") + "; its optimizer files are there)")
     for mp in sorted(want - set(mps)):
         problems.append(f"{fnames.model_states_name(mp)} is missing (stage {mp // tp}"
                         + (f", tensor rank {mp % tp}" if tp > 1 else "") + ")")
@@ -133,7 +137,7 @@ def _join_pipeline(fs, mps, notes, problems, experts, tp_rules) -> Joined:
     sets: dict = {}
     refusals: list = []
     for t in range(tp):
-        own = [m for m in mps if m % tp == t and m < pp * tp]
+        own = [m for m in mps if m % tp == t and m < pp * tp and fs.of(fnames.MODEL_STATES, m)]
         modules, more = stage_modules(fs, {m // tp: models[m] for m in own}, {m // tp: optims[m] for m in own},
                                       problems, tp=t, tensor_axis=axis,
                                       tied_patterns=tp_rules.pipeline_replicated if tp_rules else (),

@@ -17,6 +17,7 @@ from ..system.gcpause import gc_paused
 from ..units import human_bytes, parse_size
 from .footprint import footprint
 from .mesh_plan import plan_mesh_files
+from .moe import plan_moe_files
 from .trees import TreeFiles, batch_note, client_files, converter_scripts
 from .zero3 import Zero3Resharder
 from .zero12 import Zero12Resharder
@@ -141,10 +142,21 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
         if size is not None and size < 1:
             raise CkptError(f"the target {what} size must be at least 1")
     mesh = Mesh(dp=world_size, tp=tp or ck.mesh.tp, pp=pp or ck.mesh.pp, ep=ep or ck.mesh.ep)
-    if mesh.ep != ck.mesh.ep:
-        raise UnsupportedCheckpointError("changing the expert-parallel size is not supported yet",
-                                         path=ck.location.tag_dir)
     gpu = parse_size(gpu_memory) if isinstance(gpu_memory, str) else gpu_memory
+    if ck.num_experts:  # experts regrouped for the new expert-parallel and data-parallel sizes
+        if (mesh.tp, mesh.pp) != (ck.mesh.tp, ck.mesh.pp):
+            raise UnsupportedCheckpointError("changing the tensor or pipeline size of a mixture-of-experts checkpoint "
+                                             "is not supported yet", path=ck.location.tag_dir)
+        files, notes, prints = plan_moe_files(ck, mesh, hf_files=hf_files)
+        return ReshardPlan(source=ck.source_ref(), out=Path(out).expanduser().resolve(), world_size=world_size,
+                           files=files, finals=[TextFile("latest", ck.location.tag, kind="latest")],
+                           folders=[ck.location.tag], chunk_bytes=chunk_bytes, overwrite=overwrite, sync=sync,
+                           notes=notes, checks=replica_checks(ck), workers=workers or default_workers(),
+                           from_mesh=ck.mesh, to_mesh=mesh, footprints=prints, gpu_memory=gpu,
+                           crc=every_entry(ck) if verify_crc else [])
+    if mesh.ep != ck.mesh.ep:
+        raise UnsupportedCheckpointError("this checkpoint has no experts: there is no expert-parallel size to change",
+                                         path=ck.location.tag_dir)
     if (mesh.tp, mesh.pp) != (ck.mesh.tp, ck.mesh.pp):
         files, notes, checks, folders, prints = plan_mesh_files(
             ck, mesh, tp_rules=ck.tp_rules, pp_partition=pp_partition, pp_layers=pp_layers, pp_tied=pp_tied,

@@ -42,6 +42,16 @@ class Zero12Writer:
             return [(lay.padded_total - lay.total) if rank == world - 1 else 0 for lay in layouts]
         return [lay.tail_padding(rank) for lay in layouts]
 
+    def placement(self, g: int, rank: int) -> tuple[FlatGroupLayout, int, int]:
+        """``(layout, partition, ranks)`` of group ``g`` on target ``rank``: which flat group it holds a
+        partition of, which one, and over how many ranks the group is partitioned (every group over all
+        ranks here; an expert group over its expert-data-parallel ranks for MoE)."""
+        return self.dst[g], rank, self.m
+
+    def group_overrides(self, g: int) -> dict:
+        """Entries of parameter group ``g``'s hyper-parameters that the target changes (none here)."""
+        return {}
+
     def optim_states(self, rank: int) -> tuple[str, Any]:
         """``(file name, object tree)`` of target ``rank``'s optimizer-states file."""
         m = self.m
@@ -63,13 +73,21 @@ class Zero12Writer:
                     new[key] = v  # step and other scalars: the same on every rank
             state[g] = new
         counts = osd0.get("partition_count")
+        places = [self.placement(g, rank) for g in range(len(self.dst))]
         mappings = [collections.OrderedDict((n, FragmentAddress(numel=cnt, start=start))
-                                            for n, (start, cnt) in dst.slice_mappings(rank).items()) for dst in self.dst]
+                                            for n, (start, cnt) in lay.slice_mappings(idx).items())
+                    for lay, idx, _ in places]
+        if all(world == m and idx == rank for _, idx, world in places):
+            paddings = self.group_paddings(self.dst, rank, m)
+        else:
+            paddings = [self.group_paddings([lay], idx, world)[0] for lay, idx, world in places]
+        groups = [replace(pg, **self.group_overrides(g)) if self.group_overrides(g) else pg
+                  for g, pg in enumerate(base["param_groups"])]
         repl = dict(
             single_partition_of_fp32_groups=fp32,
-            base_optimizer_state=replace(base, state=state),
-            group_paddings=self.group_paddings(self.dst, rank, m),
-            partition_count=[m] * len(counts) if isinstance(counts, (list, tuple)) else m,
+            base_optimizer_state=replace(base, state=state, param_groups=groups),
+            group_paddings=paddings,
+            partition_count=[world for _, _, world in places] if isinstance(counts, (list, tuple)) else m,
         )
         if "param_slice_mappings" in osd0:
             repl["param_slice_mappings"] = mappings

@@ -1,0 +1,165 @@
+"""Mixture-of-experts (DeepSpeed-MoE, ZeRO-1/2) checkpoints at another expert-parallel and data-parallel size
+(metadata only).
+
+At expert-parallel size ``E'`` and world ``W'`` (the data-parallel size of the dense weights), rank ``r`` is
+expert-parallel rank ``e = r mod E'`` and holds the experts ``e * L' .. e * L' + L' - 1`` of every MoE layer
+(``L' = experts / E'``), which its files name by their local ids. Its optimizer file holds:
+
+- every dense group re-cut for ``W'`` ranks (partition ``r``), as a data-parallel reshard does;
+- every expert group re-made from its own experts (local names, in the module's order: layer by layer, expert
+  by expert, each expert's tensors in the order the source lists them), partitioned over the ``W' / E'`` ranks
+  holding the same experts (partition ``r // E'``), the group renamed ``ep_size_{E'}`` as DeepSpeed names it;
+  each expert's master and moments are its global expert's, read under its global id.
+
+``mp_rank_00_model_states.pt`` gets rank 0's ``param_shapes`` (local names) and the new world size; the
+16-bit expert files ``layer_{L}_expert_{G}_*`` name global ids and are copied as they are.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import re
+from pathlib import Path
+
+from ..deepspeed import ZERO, Checkpoint
+from ..deepspeed import files as fnames
+from ..deepspeed.moe import expert_id, global_name
+from ..errors import UnsupportedCheckpointError
+from ..io.torchzip.standins import TorchSize
+from ..layout.flat import FlatGroupLayout
+from ..layout.ranges import Zeros, slice_ranges
+from ..mesh import Mesh
+from ..plan import CopyFile
+from .footprint import RankFootprint, footprint
+from .trees import TreeFiles, batch_note, client_files, converter_scripts, replace
+from .zero12 import Zero12Writer
+
+_LOCAL = re.compile(r"^(.*deepspeed_experts\.)(\d+)(\..*)$")
+
+
+def _refuse(ck: Checkpoint, why: str, hint=None):
+    raise UnsupportedCheckpointError(why, path=ck.location.tag_dir, hint=hint)
+
+
+def _local_pattern(names: list) -> list:
+    """``[(prefix, [suffixes])]`` of an expert group's local names: each MoE layer (its prefix) with the
+    tensors of one expert (suffixes, in order), checked to repeat identically for every local expert."""
+    layers: "collections.OrderedDict[str, collections.OrderedDict]" = collections.OrderedDict()
+    for n in names:
+        m = _LOCAL.match(n)
+        if m is None:
+            raise ValueError(f"{n} in an expert group is not an expert's tensor")
+        layers.setdefault(m.group(1), collections.OrderedDict()).setdefault(int(m.group(2)), []).append(m.group(3))
+    out = []
+    for prefix, experts in layers.items():
+        ids = list(experts)
+        suffixes = experts[ids[0]]
+        if ids != list(range(len(ids))) or any(experts[i] != suffixes for i in ids):
+            raise ValueError(f"the experts of {prefix} are not listed alike in their group")
+        out.append((prefix, suffixes))
+    return out
+
+
+class MoEWriter(Zero12Writer):
+    """The optimizer-states files of an MoE checkpoint at ``world`` ranks and ``ep`` expert-parallel ranks."""
+
+    def __init__(self, ck: Checkpoint, world: int, ep: int, num_experts: int):
+        zs = ck.main
+        self.ck, self.ep, self.num_local = ck, ep, num_experts // ep
+        self.expert_groups = dict(zs.records.expert_groups)
+        self.shapes = {p.name: tuple(p.shape) for p in ck.parameters}
+        dst = []
+        for g, lay in enumerate(zs.layouts):
+            if g in self.expert_groups:
+                pattern = _local_pattern([s.name for s in lay.slots])
+                names = [f"{prefix}{i}{sfx}" for prefix, sfxs in pattern for i in range(self.num_local) for sfx in sfxs]
+                dst.append(FlatGroupLayout.build([(n, self.shapes[global_name(n, 0, self.num_local)]) for n in names],
+                                                 world // ep, group=g))
+            else:
+                dst.append(FlatGroupLayout.build([(s.name, s.shape) for s in lay.slots], world, group=g))
+        super().__init__(zs, dst, world, zs.mp)
+        self._full: dict = {}
+
+    def placement(self, g: int, rank: int):
+        if g in self.expert_groups:
+            return self.dst[g], rank // self.ep, self.m // self.ep
+        return self.dst[g], rank, self.m
+
+    def group_overrides(self, g: int) -> dict:
+        return {"name": f"ep_size_{self.ep}"} if g in self.expert_groups else {}
+
+    def partition_ranges(self, g: int, rank: int, padded: bool, key) -> list:
+        lay, idx, _ = self.placement(g, rank)
+        segs = lay.segments(idx)
+        if not padded:
+            while segs and segs[-1].is_padding:
+                segs.pop()
+        expert = g in self.expert_groups
+        out: list = []
+        for seg in segs:
+            if seg.is_padding:
+                out.append(Zeros(seg.count))
+                continue
+            name = global_name(seg.name, rank % self.ep, self.num_local) if expert else seg.name
+            k = (name, key)
+            if k not in self._full:
+                self._full[k] = self.ck.sources(name, key)
+            out += slice_ranges(self._full[k], seg.param_start, seg.count)
+        return out
+
+    def feeds(self, rank: int) -> list:
+        return []
+
+    def param_shapes(self) -> list:
+        return [collections.OrderedDict((s.name, TorchSize(s.shape)) for s in lay.slots) for lay in self.dst]
+
+
+def plan_moe_files(ck: Checkpoint, mesh: Mesh, hf_files: bool = True) -> tuple[list, list, list]:
+    """``(files, notes, footprints)`` of MoE checkpoint ``ck`` at ``mesh.dp`` ranks and ``mesh.ep`` expert ranks."""
+    if ck.flavor != ZERO or ck.zero_stage not in (1, 2):
+        _refuse(ck, f"resharding a mixture-of-experts checkpoint at ZeRO-{ck.zero_stage} ({ck.flavor}) is not supported "
+                    "yet", hint="`ckpt export` writes its full model (every expert under its global id)")
+    if len(ck.sets) > 1:
+        _refuse(ck, "resharding a mixture-of-experts checkpoint with pipeline stages or tensor ranks is not supported yet")
+    counts = set(ck.num_experts or [])
+    if len(counts) != 1:
+        _refuse(ck, f"MoE layers with different expert counts ({sorted(counts)}) are not supported yet")
+    experts = counts.pop()
+    world, ep = mesh.dp, mesh.ep
+    if experts % ep or world % ep:
+        _refuse(ck, f"{ep} expert-parallel ranks must divide the {experts} experts and the world of {world} ranks",
+                hint="pick an expert-parallel size that divides both")
+    if (ck.ds_config.get("zero_optimization") or {}).get("round_robin_gradients"):
+        _refuse(ck, "round_robin_gradients: resharding a mixture-of-experts checkpoint with it is not supported yet")
+    writer = MoEWriter(ck, world, ep, experts)
+    tag = ck.location.tag
+    trees = TreeFiles()
+    model = ck.main.model_states_file().obj
+    tree = replace(model, dp_world_size=world, param_shapes=writer.param_shapes())
+    files = [trees.make(f"{tag}/{fnames.model_states_name(0)}", "model_states", tree)]
+    for r in range(world):
+        name, obj = writer.optim_states(r)
+        files.append(trees.make(f"{tag}/{name}", "optim_states", obj, r))
+    for f in ck.files:
+        if f.kind == fnames.EXPERT_STATES:
+            files.append(CopyFile(f"{tag}/{f.path.name}", os.fspath(f.path), f.bytes))
+    for script in converter_scripts(ck):
+        files.append(CopyFile(Path(script).name, script, os.path.getsize(script)))
+    notes = [f"experts: {experts} per MoE layer, {experts // ep} on each of {ep} expert-parallel rank(s), each "
+             f"expert group partitioned over {world // ep} rank(s); expert files copied (they name global ids)"]
+    if hf_files:
+        carried, carried_notes = client_files(ck, world)
+        files += carried
+        notes += carried_notes
+    note = batch_note(ck, world)
+    notes += [note] if note else []
+    dense = sum(p.numel for p in ck.parameters if p.trainable and not p.tied_to and expert_id(p.name) is None)
+    local = sum(p.numel for p in ck.parameters if p.trainable and not p.tied_to and expert_id(p.name) is not None) // ep
+    a = footprint(dense, ck.dtype, ck.zero_stage, world)
+    b = footprint(local, ck.dtype, ck.zero_stage, world // ep)  # an expert group is partitioned over world / ep
+    prints = [RankFootprint(stage=0, tp=0, numel=dense + local, weights=a.weights + b.weights,
+                            gradients=a.gradients + b.gradients, optimizer=a.optimizer + b.optimizer)]
+    return files, notes, prints
+
+
+__all__ = ["plan_moe_files", "MoEWriter"]
