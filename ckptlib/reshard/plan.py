@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Optional, Union
 
-from ..deepspeed import BF16_OPTIMIZER, NO_ZERO, Checkpoint, open_checkpoint
+from ..deepspeed import BF16_OPTIMIZER, NO_ZERO, Checkpoint, SplitRules, load_rules, open_checkpoint
 from ..deepspeed import files as fnames
 from ..deepspeed.exactness import replica_checks, require_exact
 from ..errors import CkptError, UnsupportedCheckpointError
@@ -158,8 +158,9 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
         raise UnsupportedCheckpointError("this checkpoint has no experts: there is no expert-parallel size to change",
                                          path=ck.location.tag_dir)
     if (mesh.tp, mesh.pp) != (ck.mesh.tp, ck.mesh.pp):
+        given = tp_rules if isinstance(tp_rules, SplitRules) or tp_rules is None else load_rules(tp_rules)
         files, notes, checks, folders, prints = plan_mesh_files(
-            ck, mesh, tp_rules=ck.tp_rules, pp_partition=pp_partition, pp_layers=pp_layers, pp_tied=pp_tied,
+            ck, mesh, tp_rules=given or ck.tp_rules, pp_partition=pp_partition, pp_layers=pp_layers, pp_tied=pp_tied,
             hf_files=hf_files)
         return ReshardPlan(source=ck.source_ref(), out=Path(out).expanduser().resolve(), world_size=world_size,
                            files=files, finals=[TextFile("latest", ck.location.tag, kind="latest")], folders=folders,

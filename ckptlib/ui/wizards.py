@@ -320,31 +320,45 @@ class ExportWizard(_Wizard):
 
 
 class ReshardWizard(_Wizard):
-    """Reshard a ZeRO-1/2/3 checkpoint for another data-parallel size, step by step.
+    """Reshard a checkpoint for another mesh (data-parallel size, and tensor, pipeline and expert sizes),
+    step by step.
 
     Args:
         checkpoint: a :class:`ckptlib.Checkpoint` or a path.
         out: the output folder (default ``output/reshard`` under the current folder).
-        world_size: the initial target size (default: twice the current one).
+        world_size: the initial data-parallel size (default: twice the current one).
+        tp, pp, ep: the initial tensor, pipeline and expert sizes (default: the checkpoint's).
     """
 
     kind = "reshard"
 
-    def __init__(self, checkpoint, out: Union[str, os.PathLike] = "output/reshard", world_size: Optional[int] = None):
-        self._initial_world = world_size
+    def __init__(self, checkpoint, out: Union[str, os.PathLike] = "output/reshard", world_size: Optional[int] = None,
+                 tp: Optional[int] = None, pp: Optional[int] = None, ep: Optional[int] = None):
+        self._initial = {"dp": world_size, "tp": tp, "pp": pp, "ep": ep}
         super().__init__(checkpoint, out)
 
     def _options(self) -> list:
         ck = self.checkpoint
+        mesh = ck.mesh
         current = ck.partition_count or ck.dp_world_size or 1
-        self.world_size = widgets.BoundedIntText(value=self._initial_world or 2 * current, min=1, max=4096,
-                                                 description="new ranks")
-        self.world_note = widgets.HTML(f"currently {current} data-parallel ranks")
-        return [self.world_size, self.world_note]
+        init = self._initial
+
+        def size(key, now, label):
+            return widgets.BoundedIntText(value=init[key] or now, min=1, max=4096, description=label)
+
+        self.world_size = size("dp", 2 * current, "data ranks")
+        self.tp = size("tp", mesh.tp, "tensor ranks")
+        self.pp = size("pp", mesh.pp, "stages")
+        self.ep = size("ep", mesh.ep, "expert ranks")
+        self.world_note = widgets.HTML(f"currently pp={mesh.pp} tp={mesh.tp} dp={current} ep={mesh.ep}")
+        return [widgets.HBox([self.world_size, self.tp]), widgets.HBox([self.pp, self.ep]), self.world_note]
 
     def _make_plan(self):
+        mesh = self.checkpoint.mesh
+        changed = {k: w.value for k, w, now in (("tp", self.tp, mesh.tp), ("pp", self.pp, mesh.pp),
+                                                 ("ep", self.ep, mesh.ep)) if w.value != now}
         return ckptlib.plan_reshard(self.checkpoint, self.out.value, self.world_size.value,
-                                    overwrite=self.overwrite.value, sync=self.sync.value)
+                                    overwrite=self.overwrite.value, sync=self.sync.value, **changed)
 
     def _execute(self, plan, observer, cancel):
         return ckptlib.reshard(plan, observer=observer, cancel=cancel)
@@ -353,7 +367,8 @@ class ReshardWizard(_Wizard):
         return verify(plan, result.out).checks
 
     def _next_steps(self, result) -> str:
-        code = (f"# launch training on {self.world_size.value} data-parallel ranks, then:\n"
+        code = (f"# launch training at pp={self.pp.value} tp={self.tp.value} dp={self.world_size.value} "
+                f"ep={self.ep.value}, then:\n"
                 f"engine.load_checkpoint({str(result.out)!r})")
         return f"<p>Next:</p><pre>{html.escape(code)}</pre>"
 
