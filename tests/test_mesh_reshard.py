@@ -233,21 +233,21 @@ def autotp_loads(parallel_fixtures, tmp_path_factory):
     from tests.fixtures.parallel.check import to_universal
 
     work = tmp_path_factory.mktemp("autotp-reshard")
-    jobs: dict = {}
-    for name in AUTOTP_CASES:
+    jobs: dict = {}  # (tp, world) -> jobs: an AutoTP engine leaves tensor groups behind in its process, so the
+    for name in AUTOTP_CASES:  # plain-model loads (tp 1) get launches of their own
         fx = parallel_fixtures[name]
         out = work / name
         ckptlib.reshard(fx["checkpoint_path"], out, fx["dp"], tp=1)
-        jobs.setdefault(fx["dp"], []).append({"name": name, "fixture_dir": str(fx["path"]), "checkpoint_dir": str(out),
-                                              "tag": None, "tp": 1})
-        jobs.setdefault(fx["world"], []).append({"name": f"{name}/original", "fixture_dir": str(fx["path"])})
+        jobs.setdefault((1, fx["dp"]), []).append({"name": name, "fixture_dir": str(fx["path"]),
+                                                   "checkpoint_dir": str(out), "tag": None, "tp": 1})
+        jobs.setdefault((fx["tp"], fx["world"]), []).append({"name": f"{name}/original", "fixture_dir": str(fx["path"])})
     fx = parallel_fixtures[AUTOTP_CASES[0]]
     uni = to_universal(fx["path"], work / "ds")
-    jobs.setdefault(fx["dp"], []).append({"name": "ds-route", "fixture_dir": str(fx["path"]), "checkpoint_dir": str(uni),
-                                          "tag": None, "universal": True, "tp": 1})
+    jobs.setdefault((1, fx["dp"]), []).append({"name": "ds-route", "fixture_dir": str(fx["path"]),
+                                               "checkpoint_dir": str(uni), "tag": None, "universal": True, "tp": 1})
     results = {}
-    for world, js in sorted(jobs.items()):
-        results.update(run_load_checks(js, world, work / f"w{world}"))
+    for (tp, world), js in sorted(jobs.items()):
+        results.update(run_load_checks(js, world, work / f"tp{tp}-w{world}"))
     return results
 
 

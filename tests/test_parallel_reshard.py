@@ -144,8 +144,13 @@ def test_the_continuation_check_can_fail(loads, parallel_fixtures):
 
 
 def test_moe_and_zero0_pipeline_reshards_are_refused_clearly(parallel_fixtures, tmp_path):
-    with pytest.raises(ckptlib.UnsupportedCheckpointError, match="mixture-of-experts"):
+    """MoE reshards (tests/test_mesh_reshard.py) keep the expert-parallel size unless told: one rank cannot hold
+    two expert-parallel ranks; ZeRO-0 MoE is not resharded; ZeRO-0 pipelines need none (fp32) or cannot load
+    (bf16)."""
+    with pytest.raises(ckptlib.UnsupportedCheckpointError, match="2 expert-parallel ranks must divide"):
         ckptlib.plan_reshard(parallel_fixtures["moe_ep2_z1_bf16"]["checkpoint_path"], tmp_path / "o", 1)
+    with pytest.raises(ckptlib.UnsupportedCheckpointError, match="mixture-of-experts checkpoint at ZeRO-0"):
+        ckptlib.plan_reshard(parallel_fixtures["moe_ep2_z0_fp32"]["checkpoint_path"], tmp_path / "o", 4)
     with pytest.raises(ckptlib.UnsupportedCheckpointError, match="KeyError: 0"):
         ckptlib.plan_reshard(parallel_fixtures["pp2_dp2_z0_bf16"]["checkpoint_path"], tmp_path / "o", 1)
     with pytest.raises(ckptlib.UnsupportedCheckpointError, match="no ZeRO partitioning"):

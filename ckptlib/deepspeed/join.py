@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ..errors import UnsupportedCheckpointError
 from ..mesh import Mesh, Rank
 from . import files as fnames
 from .fileset import OpenedFiles
@@ -132,6 +133,7 @@ def _join_pipeline(fs, mps, notes, problems, experts, tp_rules) -> Joined:
     models = {m: _model_obj(fs, m) for m in mps}
     optims = {m: [tf.obj for tf in (fs.get(f) for f in fs.of(fnames.OPTIM_STATES, m)) if tf is not None]
               for m in mps}
+    problems_before = len(problems)
     pp, tp = pipeline_sizes(fs, mps, models, problems)
     axis = has_tensor_axis(fs)
     sets: dict = {}
@@ -151,7 +153,7 @@ def _join_pipeline(fs, mps, notes, problems, experts, tp_rules) -> Joined:
     mesh = Mesh(dp=first.partition_count or first.dp_world_size or 1, tp=tp, pp=pp)
     experts = list(experts) if isinstance(experts, (list, tuple)) else None
     if refusals:  # the stages' names are unknown: their sets were parsed to say so, but nothing joins
-        problems[:] = [p for p in problems if "matches no parameter of the module" not in p]
+        problems[:] = [p for p in problems if "ZeRO-0: optimizer group" not in p]
         refusals.append("say which weights are tied with --tp-rules FILE holding "
                         "{\"pipeline_replicated_parameter_patterns\": [\"tied_modules\\\\.KEY\\\\.weight$\"]} "
                         "(the names as the PipelineModule's state_dict has them; DeepSpeed's universal_checkpoint_info "
@@ -166,11 +168,16 @@ def _join_pipeline(fs, mps, notes, problems, experts, tp_rules) -> Joined:
                    "dimension")
             return Joined(sets, None, PIPELINE, mesh, num_experts=experts, refusals=[why])
     stage_views = {}
-    for s in range(pp):
-        members = {m % tp: zs for m, zs in sets.items() if m // tp == s}
-        if not members:
-            continue
-        stage_views[s] = tensor_parallel_view(members, rules) if tp > 1 else single_set_view(members[min(members)])
+    try:
+        for s in range(pp):
+            members = {m % tp: zs for m, zs in sets.items() if m // tp == s}
+            if not members:
+                continue
+            stage_views[s] = tensor_parallel_view(members, rules) if tp > 1 else single_set_view(members[min(members)])
+    except UnsupportedCheckpointError:
+        if problems_before < len(problems):  # a stage lacks files (named in the problems): nothing joins
+            return Joined(sets, None, PIPELINE, mesh, num_experts=experts)
+        raise
     view = pipeline_view(stage_views, sets, tp, problems)
     return Joined(sets, view, PIPELINE, mesh, num_experts=experts)
 

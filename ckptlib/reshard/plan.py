@@ -29,7 +29,7 @@ def default_workers() -> int:
     return 2 if (os.cpu_count() or 1) >= 2 else 1
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, repr=False)  # Plan's repr and IPython display (its description)
 class ReshardPlan(Plan):
     """What a reshard will write, computed from metadata (plain data). See :func:`plan_reshard`."""
 

@@ -105,7 +105,7 @@ LATEST_UNIVERSAL = "latest_universal"
 ZERO12_PARTITIONED = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, repr=False)  # Plan's repr and IPython display (its description)
 class UniversalPlan(Plan):
     """What writing the universal checkpoint will do, computed from metadata (plain data). See
     :func:`plan_universal`."""

@@ -1,0 +1,99 @@
+"""Make a large real pipeline x tensor x data (3D) DeepSpeed checkpoint on CPU for benchmarks (pp 2 x tp 2,
+ZeRO-1, bf16, Megatron-style tensor parallelism with the pipeline grid as the mpu).
+
+Run under torchrun with 4 x dp ranks, e.g. (about 268 M parameters):
+
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node 4 bench/make_mesh_checkpoint.py \\
+        --out .bench-work/pp2_tp2_bf16 --dim 1024 --hidden 4096 --layers 28 --vocab 32000
+
+The model is the 3D fixture's (tests/fixtures/mesh/models.py): a tied embedding / head replicated over the
+tensor ranks, ``--layers`` TPBlocks (LayerNorm, column-parallel fc1, row-parallel fc2), a final LayerNorm;
+``partition_method="uniform"``. One AdamW step on random tokens, then ``engine.save_checkpoint(out)`` with
+the split rules as ``universal_checkpoint_info`` (what Megatron-DeepSpeed saves), so that DeepSpeed's
+``ds_to_universal`` can read it too. Writes ``<out>/bench_info.json`` (parameters, timings, sizes).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as tdist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.fixtures.mesh import models as MM  # noqa: E402
+from tests.fixtures.parallel.models import pipe_loss  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--dim", type=int, default=1024)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--seq", type=int, default=16)
+    args = ap.parse_args()
+
+    warnings.filterwarnings("ignore")
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+    from deepspeed.utils import logger
+
+    logger.setLevel(logging.WARNING)
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = tdist.get_rank(), tdist.get_world_size()
+    if world % 4:
+        raise SystemExit("world size must be 4 x dp (pp 2 x tp 2)")
+    dp = world // 4
+    t0 = time.perf_counter()
+    topo = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=dp)
+    tp_rank = topo.get_coord(rank).model
+    hidden = tuple([args.hidden] * args.layers)
+    specs = MM.layer_specs(args.vocab, args.dim, hidden, 2468, (), 2, tp_rank)
+    model = PipelineModule(layers=specs, topology=topo, loss_fn=pipe_loss, partition_method="uniform")
+    MM._TP["group"] = model.mpu().get_slice_parallel_group()
+    n_local = sum(p.numel() for p in model.parameters())
+    cfg = {"train_batch_size": dp, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+           "steps_per_print": 10**9, "zero_optimization": {"stage": 1}, "bf16": {"enabled": True},
+           "gradient_clipping": 0.0}
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=1e-3)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg)
+    t_init = time.perf_counter()
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, args.vocab, (dp, args.seq), generator=g)
+    d = engine.grid.get_data_parallel_rank()
+    batch = [(ids[d:d + 1], ids[d:d + 1])]
+    engine.train_batch(data_iter=iter(batch))
+    t_step = time.perf_counter()
+    info = {k: v for k, v in MM.mesh_rules().items()}
+    engine.save_checkpoint(str(args.out), client_state={"universal_checkpoint_info": info})
+    t_save = time.perf_counter()
+    counts = [None] * world
+    tdist.all_gather_object(counts, (engine.grid.get_stage_id(), tp_rank, n_local))
+    if rank == 0:
+        per_rank = {f"stage {s} tp {t}": n for s, t, n in counts}
+        info = {"local_parameters": per_rank, "dim": args.dim, "hidden": args.hidden, "layers": args.layers,
+                "vocab": args.vocab, "dp": dp,
+                "seconds": {"init": round(t_init - t0, 1), "step": round(t_step - t_init, 1),
+                            "save": round(t_save - t_step, 1)},
+                "bytes": sum(f.stat().st_size for f in args.out.rglob("*") if f.is_file())}
+        (args.out / "bench_info.json").write_text(json.dumps(info, indent=1))
+        print(json.dumps(info), flush=True)
+    tdist.barrier()
+    tdist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
