@@ -235,9 +235,13 @@ def _offload(ck: Checkpoint, t: Target) -> list[Finding]:
                                fix=f"ckpt reshard {ck.location.save_dir} OUT --world-size {t.dp * t.sp}   (then load OUT "
                                    "with offload_optimizer on cpu or none: every partition is in the .pt files)"))
     elif swapped:
+        first = min(k for _, k in ck.records.index.swapped)
+        size = ck.layouts[0].sub_group_sizes[first]
+        msg = (f"RuntimeError: The size of tensor a ({size}) must match the size of tensor b (0) at non-singleton "
+               "dimension 0") if ck.partition_count == t.dp * t.sp else None
         out.append(Finding(REFUSED, "the checkpoint keeps swapped partitions in offloaded_tensors/ (NVMe offload) and "
                            "empty placeholders in the .pt files, which an engine without NVMe offload loads instead",
-                           fix=_reshard(ck, t)))
+                           deepspeed=msg, fix=_reshard(ck, t)))
     return out
 
 
