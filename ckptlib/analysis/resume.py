@@ -225,7 +225,7 @@ def _offload(ck: Checkpoint, t: Target) -> list[Finding]:
                                fix="load it with offload_optimizer on cpu or none"))
         elif ck.partition_count != t.dp * t.sp:
             out.append(Finding(REFUSED, "an engine with offload_optimizer on nvme at another data-parallel size "
-                               "aborts in DeepSpeed's async I/O code (it copies the swap files of its own rank)",
+                               "fails (it would copy the swap files of its own rank, cut for the saved size)",
                                fix=_reshard(ck, t) + " with offload_optimizer on cpu or none"))
         else:
             out.append(Finding(DROPS, "an engine with offload_optimizer on nvme does not load the .pt partitions; it "
