@@ -229,8 +229,9 @@ def _offload(ck: Checkpoint, t: Target) -> list[Finding]:
                                fix=_reshard(ck, t) + " with offload_optimizer on cpu or none"))
         else:
             out.append(Finding(DROPS, "an engine with offload_optimizer on nvme does not load the .pt partitions; it "
-                               "copies the swap folders back, which restores the masters of the swapped sub-groups "
-                               "only: the other sub-groups' masters and every Adam moment keep their fresh values "
+                               "copies the swap folders back, which restores at most the masters of the swapped "
+                               "sub-groups (and only if it numbers the parameters as the saving engine did): the "
+                               "other sub-groups' masters, every Adam moment and the step keep their fresh values "
                                "(DeepSpeed 0.19.8; the losses after resuming differ)",
                                fix=f"ckpt reshard {ck.location.save_dir} OUT --world-size {t.dp * t.sp}   (then load OUT "
                                    "with offload_optimizer on cpu or none: every partition is in the .pt files)"))
