@@ -116,6 +116,7 @@ def _error_line(stderr: str) -> str:
 def main() -> int:
     ap = parser(__doc__.split("\n\n")[0])
     ap.add_argument("--only", nargs="+", help="labels of the conversions to run (default: all)")
+    ap.add_argument("--no-anchors", action="store_true", help="leave out DeepSpeed's tools (ckpt and floors only)")
     args = ap.parse_args()
     convs = [c for c in CONVERSIONS if not args.only or c.label in args.only or c.label.split()[0] in args.only]
     raw, lines = {}, []
@@ -124,7 +125,7 @@ def main() -> int:
         for checkpoint in args.checkpoints:
             info = info_of(checkpoint)
             mine = [c for c in convs if c.applies(info)]
-            anchors = sorted({c.anchor for c in mine if c.anchor})
+            anchors = [] if args.no_anchors else sorted({c.anchor for c in mine if c.anchor})
             res = {c.label: [] for c in mine}
             floors = {c.label: [] for c in mine if c.writes}
             ds = {a: [] for a in anchors}
@@ -179,8 +180,8 @@ def main() -> int:
             for c in mine:
                 wall = med(res[c.label])
                 vs_ds = ""
-                if c.anchor is None:
-                    anchor = "none"
+                if c.anchor is None or c.anchor not in ds:
+                    anchor = "none" if c.anchor is None else "not run"
                 elif c.anchor in failed:
                     anchor = f"{ANCHORS[c.anchor].label}: fails ({failed[c.anchor]})"
                 else:
