@@ -255,3 +255,21 @@ def test_distributed_export_shares_the_files_and_writes_what_one_process_writes(
             assert (one / n).read_bytes() == (tmp_path / "dist" / n).read_bytes(), n
     a, b = read_metadata(one), read_metadata(tmp_path / "dist")
     assert a.entries == b.entries and a.planner_data == b.planner_data
+
+
+def test_verify_crc_checks_the_source_before_writing(fixture_by_name, tmp_path):
+    """``--verify-crc`` applies to DCP exports as to every export: a damaged byte of a source storage the
+    export reads stops it before anything is written."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(fixture_by_name("z2_fp32_w2")["checkpoint_path"], src)
+    plan = ckptlib.plan_export(src, tmp_path / "o", format="dcp", dcp={"optimizer": True}, verify_crc=True)
+    assert plan.crc, "the zip entries the export reads"
+    r = next(t for vs in plan.values.values() for t in vs if t.fqn.endswith("fc2.weight.exp_avg")).tensor.ranges[0]
+    raw = bytearray(open(r.path, "rb").read())
+    raw[r.offset + 5] ^= 0x10
+    open(r.path, "wb").write(raw)
+    with pytest.raises(ckptlib.CkptError, match="CRC"):
+        ckptlib.run(ckptlib.plan_export(src, tmp_path / "o", format="dcp", dcp={"optimizer": True}, verify_crc=True))
+    assert not (tmp_path / "o").exists()
