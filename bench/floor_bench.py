@@ -30,6 +30,7 @@ from typing import Callable, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (PY, baseline, check_ok, ckpt, ds_to_universal, mib, parser, table,  # noqa: E402
                     work_folder, write_json, zero_to_fp32)
+from dcp_bench import HAND as HAND_DCP  # noqa: E402
 from procmon import run, warm_cache  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -57,6 +58,8 @@ ANCHORS = {
     "ds_to_universal": Anchor("ds_to_universal", lambda c, o, e: ds_to_universal(c, o)),
     "ds-check": Anchor("get_fp32_state_dict_from_zero_checkpoint + torch statistics",
                        lambda c, o, e: [PY, str(HERE / "ds_check_diff.py"), "check", str(c)]),
+    "dcp-hand": Anchor("get_fp32_state_dict_from_zero_checkpoint + dcp.save (model only)",
+                       lambda c, o, e: [PY, "-P", "-c", HAND_DCP, str(c), str(o / "dcp")]),
     "ds-diff": Anchor("get_fp32_state_dict_from_zero_checkpoint + torch.equal with the export",
                       lambda c, o, e: [PY, str(HERE / "ds_check_diff.py"), "diff", str(c), str(e)]),
 }
@@ -66,6 +69,9 @@ CONVERSIONS = [
     Conversion("export", lambda c, o, i: ["export", c, o], "zero_to_fp32"),
     Conversion("export --format torch", lambda c, o, i: ["export", c, o, "--format", "torch"], "zero_to_fp32"),
     Conversion("export --dtype bf16", lambda c, o, i: ["export", c, o, "--dtype", "bf16"], "zero_to_fp32"),
+    Conversion("export --format dcp", lambda c, o, i: ["export", c, o, "--format", "dcp"], "dcp-hand"),
+    Conversion("export --format dcp --optimizer", lambda c, o, i: ["export", c, o, "--format", "dcp", "--optimizer"],
+               "dcp-hand"),
     Conversion("reshard dp/2", lambda c, o, i: ["reshard", c, o, "--world-size", i["dp"] // 2], "ds_to_universal",
                applies=lambda i: i["dp"] >= 2),
     Conversion("reshard dp*3/4", lambda c, o, i: ["reshard", c, o, "--world-size", i["dp"] * 3 // 4], "ds_to_universal",
@@ -116,6 +122,7 @@ def _error_line(stderr: str) -> str:
 def main() -> int:
     ap = parser(__doc__.split("\n\n")[0])
     ap.add_argument("--only", nargs="+", help="labels of the conversions to run (default: all)")
+    ap.add_argument("--no-anchors", action="store_true", help="leave out DeepSpeed's tools (ckpt and floors only)")
     args = ap.parse_args()
     convs = [c for c in CONVERSIONS if not args.only or c.label in args.only or c.label.split()[0] in args.only]
     raw, lines = {}, []
@@ -124,7 +131,7 @@ def main() -> int:
         for checkpoint in args.checkpoints:
             info = info_of(checkpoint)
             mine = [c for c in convs if c.applies(info)]
-            anchors = sorted({c.anchor for c in mine if c.anchor})
+            anchors = [] if args.no_anchors else sorted({c.anchor for c in mine if c.anchor})
             res = {c.label: [] for c in mine}
             floors = {c.label: [] for c in mine if c.writes}
             ds = {a: [] for a in anchors}
@@ -179,8 +186,8 @@ def main() -> int:
             for c in mine:
                 wall = med(res[c.label])
                 vs_ds = ""
-                if c.anchor is None:
-                    anchor = "none"
+                if c.anchor is None or c.anchor not in ds:
+                    anchor = "none" if c.anchor is None else "not run"
                 elif c.anchor in failed:
                     anchor = f"{ANCHORS[c.anchor].label}: fails ({failed[c.anchor]})"
                 else:

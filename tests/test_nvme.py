@@ -225,15 +225,17 @@ def test_deepspeeds_nvme_load_is_caught(nvme, loads, name):
     ref = reference(nvme[name])
     res = loads[(2, f"{name}/nvme-load")]
     assert "error" not in res, res
-    got = res["loaded"]
-    swapped = [p for p in ref["fp32"] if nvme[name]["swap"] == "all" or p.endswith("weight")]  # sub-group 0: weights
-    restored = [p for p in ref["fp32"] if torch.equal(got["fp32"][p], ref["fp32"][p])]
-    assert sorted(restored) == sorted(swapped), "what DeepSpeed's NVMe load restores changed: update docs/resume.md"
-    dropped = [p for p in ref["optim"] if not torch.equal(got["optim"][p]["exp_avg"], ref["optim"][p]["exp_avg"])]
-    assert sorted(dropped) == sorted(ref["optim"]), "DeepSpeed restored moments: the silent-drop prediction is out of date"
     assert not res["verify"]["ok"]
-    found = {(n, what) for n, what, _ in res["verify"]["mismatches"]}
-    assert {(p, "exp_avg") for p in dropped} <= found
+    found = {}
+    for n, what, _ in res["verify"]["mismatches"]:
+        found.setdefault(what, set()).add(n)
+    # DeepSpeed copies the swap files back under their names, which hold the saving engine's parameter ids: the
+    # swapped masters come back only for an engine with the same ids (this harness's engines have others, so
+    # none does); the masters of the sub-groups kept in memory and every moment never come back
+    swapped = {p for p in ref["fp32"] if nvme[name]["swap"] == "all" or p.endswith("weight")}  # sub-group 0: weights
+    assert found.get("fp32", set()) >= set(ref["fp32"]) - swapped, "what DeepSpeed's NVMe load restores changed"
+    assert found["exp_avg"] == set(ref["optim"]), "DeepSpeed restored moments: the silent-drop prediction is out of date"
+    assert ("optimizer", "step") in {(n, what) for n, what, _ in res["verify"]["mismatches"]}
     cfg = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}},
            "bf16": {"enabled": nvme[name]["dtype"] == "bf16"}}
     assert resume_check(nvme[name]["checkpoint_path"], cfg, 2).verdict == DROPS
@@ -256,6 +258,7 @@ def test_loading_the_placeholders_is_refused(nvme, loads):
         predicted = resume_check(nvme[name]["checkpoint_path"], cfg, 2)
         assert predicted.verdict == REFUSED
         assert "error" in res and res["phase"] == "load", res
+        assert res["error"] in [f.deepspeed for f in predicted.findings], (res["error"], predicted.describe())
 
 
 def test_resume_check_on_the_resharded(nvme, resharded):

@@ -225,19 +225,24 @@ def _offload(ck: Checkpoint, t: Target) -> list[Finding]:
                                fix="load it with offload_optimizer on cpu or none"))
         elif ck.partition_count != t.dp * t.sp:
             out.append(Finding(REFUSED, "an engine with offload_optimizer on nvme at another data-parallel size "
-                               "aborts in DeepSpeed's async I/O code (it copies the swap files of its own rank)",
+                               "fails (it would copy the swap files of its own rank, cut for the saved size)",
                                fix=_reshard(ck, t) + " with offload_optimizer on cpu or none"))
         else:
             out.append(Finding(DROPS, "an engine with offload_optimizer on nvme does not load the .pt partitions; it "
-                               "copies the swap folders back, which restores the masters of the swapped sub-groups "
-                               "only: the other sub-groups' masters and every Adam moment keep their fresh values "
+                               "copies the swap folders back, which restores at most the masters of the swapped "
+                               "sub-groups (and only if it numbers the parameters as the saving engine did): the "
+                               "other sub-groups' masters, every Adam moment and the step keep their fresh values "
                                "(DeepSpeed 0.19.8; the losses after resuming differ)",
                                fix=f"ckpt reshard {ck.location.save_dir} OUT --world-size {t.dp * t.sp}   (then load OUT "
                                    "with offload_optimizer on cpu or none: every partition is in the .pt files)"))
     elif swapped:
+        first = min(k for _, k in ck.records.index.swapped)
+        size = ck.layouts[0].sub_group_sizes[first]
+        msg = (f"RuntimeError: The size of tensor a ({size}) must match the size of tensor b (0) at non-singleton "
+               "dimension 0") if ck.partition_count == t.dp * t.sp else None
         out.append(Finding(REFUSED, "the checkpoint keeps swapped partitions in offloaded_tensors/ (NVMe offload) and "
                            "empty placeholders in the .pt files, which an engine without NVMe offload loads instead",
-                           fix=_reshard(ck, t)))
+                           deepspeed=msg, fix=_reshard(ck, t)))
     return out
 
 

@@ -37,10 +37,10 @@ from .values import as_int, get
 SWAP_DIR = "offloaded_tensors"
 AIO_ALIGNED_BYTES = 1024  # DeepSpeed's swap files are padded to this times aio.intra_op_parallelism
 #: why an NVMe checkpoint is worth resharding (inspect's note; measured with DeepSpeed 0.19.8, see docs/resume.md)
-WHY = ("the .pt files hold empty placeholders for these partitions, so DeepSpeed's zero_to_fp32 and ds_to_universal "
-       "fail on them, and its load_checkpoint with NVMe offload restores only the swapped masters (no Adam moments, "
-       "nor the other sub-groups) and aborts at another world size; `ckpt reshard CKPT OUT --world-size N` writes "
-       "an ordinary ZeRO-3 checkpoint (every partition in the .pt files) that DeepSpeed loads exactly with "
+WHY = ("the .pt files hold empty placeholders for these partitions, so DeepSpeed's zero_to_fp32 fails on them, "
+       "and its load_checkpoint with NVMe offload restores at most the swapped masters (no Adam moments, nor the "
+       "other sub-groups) and fails at another world size; `ckpt reshard CKPT OUT --world-size N` writes an "
+       "ordinary ZeRO-3 checkpoint (every partition in the .pt files) that DeepSpeed loads exactly with "
        "offload_optimizer on cpu or none")
 _NAME = re.compile(r"^(?:(?P<state>[A-Za-z_][A-Za-z0-9_]*)-)?(?P<first>\d+)_(?P<last>\d+)\.tensor\.swp$")
 _RANK_DIR = re.compile(r"^rank(?P<rank>\d+)$")

@@ -40,9 +40,11 @@ from pathlib import Path
 from typing import Any, ClassVar, Optional
 
 from ..deepspeed import Checkpoint, hf
+from ..deepspeed.exactness import value_proofs
 from ..deepspeed.records import NO_ZERO
 from ..dtypes import BY_SHORT, OUTPUT_DTYPES, is_floating
 from ..errors import CkptError, IncompleteCheckpointError, UnsupportedCheckpointError
+from ..io.crc import entries_touching
 from ..io.dcp import SUFFIX, BytesEntry, Chunk, DcpMetadata, Item, TensorEntry, metadata_pickle, place
 from ..io.torchzip import TensorHandle
 from ..io.torchzip.specs import NewTensor
@@ -374,8 +376,11 @@ def _unmapped_notes(ck: Checkpoint, layout: str, run: dict, optimizer: bool) -> 
 
 def plan_dcp(ck: Checkpoint, out: Path, *, layout: str = "torch", optimizer: bool = False, dtype: str = "fp32",
              max_shard_size: int = 5 * 10**9, exclude_frozen: bool = False, workers: int = 1,
-             overwrite: bool = False, chunk_bytes: int, sync: bool = True) -> DcpPlan:
+             overwrite: bool = False, chunk_bytes: int, sync: bool = True, verify_crc: bool = False) -> DcpPlan:
     """Plan a DCP export of the opened checkpoint ``ck`` into ``out`` (see the module docstring).
+
+    ``verify_crc``: the CRC-32 of every zip member of the checkpoint the export reads is verified before
+    anything is written (as for every export).
 
     Memory: the plan (one small record per tensor) and the metadata pickle; reads the optimizer's
     scalar steps only.
@@ -441,11 +446,15 @@ def plan_dcp(ck: Checkpoint, out: Path, *, layout: str = "torch", optimizer: boo
     checks = [RangeCheck(what, tuple(a), tuple(b), a[0].dtype if a else "float32")
               for vs in folders.values() for v in vs if v.tensor is not None and v.source is not None
               and v.key != "step" for what, a, b in ck.replica_checks(v.source, v.key)]
+    checks = _unique_checks(checks) + value_proofs(ck)  # replicas compared, ZeRO-0 matches proven, before writing
+    crc = entries_touching(ck.zip_entries(), [r for vs in folders.values() for v in vs if v.tensor is not None
+                                              for r in v.tensor.ranges] + [r for c in checks for r in c.a + c.b]) \
+        if verify_crc else []
     return DcpPlan(source=ck.source_ref(), out=out, files=files, folders=[f for f in folders if f],
                    layout=layout, dtype=dtype, optimizer=optimizer, max_shard_size=max_shard_size, dcp=dcp,
                    values=folders, step=step, chunk_bytes=chunk_bytes, workers=workers, overwrite=overwrite,
                    sync=sync, notes=notes + [n for n in ck.view.notes if ck.kind != "data_parallel"],
-                   checks=_unique_checks(checks))
+                   checks=checks, crc=crc)
 
 
 def _unique_checks(checks: list) -> list:

@@ -98,7 +98,7 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
         require_exact(ck)  # the validation of every conversion, as below
         return _plan_dcp(ck, out, dtype=dtype, max_shard_size=max_shard_size, states=states, workers=workers,
                          overwrite=overwrite, chunk_bytes=chunk_bytes, sync=sync, exclude_frozen=exclude_frozen,
-                         **(dcp or {}))
+                         verify_crc=verify_crc, **(dcp or {}))
     if dcp:
         raise CkptError("layout and optimizer options are for --format dcp")
     if dtype not in OUTPUT_DTYPES:

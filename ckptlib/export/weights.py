@@ -17,7 +17,7 @@ from ..plan import PROCESSES, Plan, WeightsFile
 from ..units import human_bytes
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, repr=False)  # Plan's repr and IPython display (its description), not every field
 class ExportPlan(Plan):
     """Everything an export will do, computed from metadata (plain data; see :class:`ckptlib.plan.Plan`).
 
