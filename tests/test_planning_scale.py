@@ -132,7 +132,9 @@ def test_the_headers_of_many_empty_storages_cost_one_read(tmp_path):
     path = next((tmp_path / "ckpt" / "global_step2").glob("zero_pp_rank_1_*model_states.pt"))
     tf = open_torch_file(path)
     assert len(tf.storages) == 12 * 9 + 3
-    assert tf.stats.reads <= 6  # its start, the end records, the directory, two runs of local headers, the pickle
+    # its start, the end records, the directory, two runs of local headers, the byteorder record, the pickle:
+    # a constant, whatever the number of storages
+    assert tf.stats.reads <= 7
 
 
 @pytest.mark.parametrize("name", ["z3_bf16_w4", "z2_bf16_w4"])

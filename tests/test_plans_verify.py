@@ -146,11 +146,10 @@ def test_refused_layouts_are_unsupported_and_broken_ones_incomplete(fixture_by_n
     import shutil
 
     src = fixture_by_name("z2_bf16_w3")["checkpoint_path"]
-    offloaded = tmp_path / "offloaded"
-    shutil.copytree(src, offloaded)
-    (offloaded / "global_step2" / "offloaded_tensors").mkdir()  # NVMe-offloaded state: not read yet
-    with pytest.raises(ckptlib.UnsupportedCheckpointError, match="NVMe-offloaded"):
-        ckptlib.plan_export(offloaded, tmp_path / "o")
+    # ZeRO-0 fp32 names nothing: an optimizer entry that could be either of two same-shape parameters
+    z0 = fixture_by_name("z0_fp32_w2")["checkpoint_path"]
+    with pytest.raises(ckptlib.UnsupportedCheckpointError, match="cannot be told to be either's"):
+        ckptlib.plan_export(z0, tmp_path / "o", states=["exp_avg"])
     broken = tmp_path / "broken"
     shutil.copytree(src, broken)
     (broken / "global_step2" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()

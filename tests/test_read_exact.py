@@ -18,8 +18,18 @@ def test_every_value_is_bit_exact(ds_fixture):
             assert got.dtype == torch.float32 and got.shape == want.shape, name
             assert torch.equal(got.view(torch.int32), want.view(torch.int32)), f"{name} differs from the engine's master"
         for name, moments in ref["optim"].items():
+            twins = [f for f, v in {**ref["fp32"], **ref["frozen"]}.items()
+                     if f != name and v.shape == ref["fp32"][name].shape]
             for key, want in moments.items():
-                assert torch.equal(ck.read_state(name, key), want.float()), f"{name}.{key}"
+                try:
+                    got = ck.read_state(name, key)
+                except ckptlib.UnsupportedCheckpointError as e:
+                    # ZeRO-0 fp32 names nothing and keeps no 16-bit copy to prove which of two same-shape
+                    # parameters (one of them in no optimizer group) an optimizer entry is: refused, never guessed
+                    assert fx["zero_stage"] == 0 and fx["dtype"] == "fp32" and twins, f"{name}.{key}: {e}"
+                    assert "ZeRO-0 records no names" in str(e) and any(t in str(e) for t in twins), str(e)
+                    continue
+                assert torch.equal(got, want.float()), f"{name}.{key}"
         saved = {p.name for p in ck.parameters}
         for name, want in ref["frozen"].items():
             if fx["exclude_frozen"]:

@@ -109,6 +109,8 @@ def test_mesh_prediction_matches_deepspeed(parallel_fixtures, mesh_loaded, name,
     # another mesh than the saved one is predicted refused (not loaded here: no fixture changes tp or pp)
     other = resume_check(fixture["checkpoint_path"], res["config"], 4, pp=pp * 2, tp=tp)
     assert other.verdict == REFUSED and any("pipeline size" in f.what for f in other.findings)
+    fix = next(f.fix for f in other.findings if "pipeline size" in f.what)
+    assert f"--tp {tp} --pp {pp * 2} " in fix and fix.startswith("ckpt reshard "), fix  # the mesh reshard's command
 
 
 def test_dp_change_fix_is_a_reshard(fixture_by_name):

@@ -156,7 +156,8 @@ def _mesh(ck: Checkpoint, t: Target) -> list[Finding]:
             out.append(Finding(REFUSED, f"saved with {label} size {saved}, loaded at {now}: DeepSpeed reads each stage's "
                                "and tensor rank's files by their own rank and does not re-split them (unchecked: the "
                                "fixtures load no mesh change)",
-                               fix="no ckpt reshard changes tp, pp or ep yet; `ckpt export` writes the full model"))
+                               fix=f"ckpt reshard {ck.location.save_dir} OUT --tp {t.tp} --pp {t.pp} --ep {t.ep} "
+                                   f"--dp {t.dp}   (then load OUT at that mesh; see docs/reshard.md)"))
     return out
 
 

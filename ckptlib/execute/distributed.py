@@ -270,8 +270,9 @@ def run_distributed(plan: Plan, observer: Optional[Observer] = None, cancel: Any
                     atomic = None
                 dist.broadcast_object_list(final, src=0)
                 if final[0] is not None:
-                    raise DistributedFailure(f"distributed {plan.action} failed, nothing was created: {final[0]}",
-                                             path=plan.out)
+                    why, hint = _joined([final[0]])
+                    raise DistributedFailure(f"distributed {plan.action} failed, nothing was created: {why}",
+                                             path=plan.out, hint=hint)
                 reads = [0] * world
                 dist.all_gather_object(reads, read)
                 observer.on_bytes(plan.write_bytes, plan.write_bytes)
@@ -340,13 +341,25 @@ def _prepare_on_rank0(plan: Plan, rank: int) -> tuple[Path, Optional[AtomicOutpu
     return Path(msg[0][1]), atomic
 
 
+HINT_SEP = "\n  hint: "  # how :func:`_describe` (and CkptError's str) put a hint after the message
+
+
+def _joined(failures: list) -> tuple:
+    """Failures described as ``message[HINT_SEP hint]``: their messages joined in one line, and the first
+    hint (each message stays one line; the hint is the error's own, printed on the line after)."""
+    parts = [f.split(HINT_SEP, 1) for f in failures]
+    hints = [p[1] for p in parts if len(p) > 1]
+    return "; ".join(p[0] for p in parts), (hints[0] if hints else None)
+
+
 def _finish_on_rank0(plan: Plan, atomic: AtomicOutputDir, tmp: Path, failed: list) -> Optional[str]:
     """Step 3 on rank 0: the finals and the one rename, or removal if any rank failed. Returns None on
-    success, else what went wrong."""
+    success, else what went wrong (``message[HINT_SEP hint]``)."""
     try:
         if failed:
-            atomic.__exit__(DistributedFailure, DistributedFailure("; ".join(failed)), None)
-            return "; ".join(failed)
+            why, hint = _joined(failed)
+            atomic.__exit__(DistributedFailure, DistributedFailure(why, hint=hint), None)
+            return why + (HINT_SEP + hint if hint else "")
         write_finals(plan, tmp)
         atomic.__exit__(None, None, None)
         return None
