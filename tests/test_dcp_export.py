@@ -244,7 +244,7 @@ def test_distributed_export_shares_the_files_and_writes_what_one_process_writes(
     jobs = [{"name": "dcp", "argv": [a.format(out=tmp_path / "dist") for a in argv] + ["--distributed"]}]
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
     rc = torchrun(REPO / "tests" / "distributed_driver.py", 2, [str(tmp_path / "jobs.json"), str(tmp_path / "res")],
-                  tmp_path / "launch.log", 600)
+                  tmp_path / "launch.log", 600, launcher="torchrun")  # ckptlib under torchrun itself
     records = [json.loads((tmp_path / "res" / f"rank{r}.jsonl").read_text().splitlines()[0]) for r in range(2)]
     assert [r["rc"] for r in records] == [0, 0], (rc, records, log_tail(tmp_path / "launch.log"))
     assert "verified:" in records[0]["stdout"] and sorted(v[0] for r in records for v in r["verified"]) == [0, 1]
