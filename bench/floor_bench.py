@@ -77,6 +77,12 @@ CONVERSIONS = [
     Conversion("reshard dp*3/4", lambda c, o, i: ["reshard", c, o, "--world-size", i["dp"] * 3 // 4], "ds_to_universal",
                applies=lambda i: i["dp"] >= 4),
     Conversion("reshard --universal", lambda c, o, i: ["reshard", c, o, "--universal"], "ds_to_universal"),
+    Conversion("reshard --tp 1", lambda c, o, i: ["reshard", c, o, "--tp", 1], "ds_to_universal",
+               applies=lambda i: i["tp"] == 2),
+    Conversion("reshard --pp 1", lambda c, o, i: ["reshard", c, o, "--pp", 1], "ds_to_universal",
+               applies=lambda i: i["pp"] == 2),
+    Conversion("reshard --tp 1 --pp 1", lambda c, o, i: ["reshard", c, o, "--tp", 1, "--pp", 1], "ds_to_universal",
+               applies=lambda i: i["tp"] == 2 and i["pp"] == 2),
     Conversion("check", lambda c, o, i: ["check", c], "ds-check", writes=False),
     Conversion("check --states", lambda c, o, i: ["check", c, "--states"], None, writes=False),
     Conversion("diff CKPT EXPORT", lambda c, o, i: ["diff", c, o.parent / "export"], "ds-diff", writes=False),
@@ -110,6 +116,13 @@ def copy_floor(out: Path, copy: Path):
     shutil.rmtree(copy, ignore_errors=True)
     settle(out)
     return check_ok(run(["sh", "-c", 'cp -r "$1" "$2" && sync', "sh", str(out), str(copy)]), f"cp -r {out}")
+
+
+def peaks(mine: list, theirs: Optional[list]) -> str:
+    """The largest peak anonymous memory (RssAnon, the process tree for DeepSpeed's tools) over the rounds."""
+    ours = mib(max(s.peak_anon for s in mine))
+    done = [s for s in theirs or [] if s is not None]
+    return f"{ours} / {mib(max(s.peak_anon for s in done))}" if done else ours
 
 
 def _error_line(stderr: str) -> str:
@@ -202,12 +215,12 @@ def main() -> int:
                     verdict = "yes" if wall <= GOAL * floor else "**no**"
                     rows.append([checkpoint.name, label(c, info), f"{wall:.2f} s", f"{med(res[c.label], 'cpu'):.2f} s",
                                  mib(out_bytes[c.label]), f"{floor:.2f} s", f"**{wall / floor:.2f}x**", verdict, anchor, vs_ds,
-                                 f"{rate / 2**20:.0f} MiB/s"])
+                                 f"{rate / 2**20:.0f} MiB/s", peaks(res[c.label], ds.get(c.anchor))])
                 else:
                     vs = f" ({rate / export_rate:.2f}x export's)" if export_rate else ""
                     rows.append([checkpoint.name, label(c, info), f"{wall:.2f} s", f"{med(res[c.label], 'cpu'):.2f} s",
                                  "", "", "", "", anchor, vs_ds,
-                                 f"{rate / 2**20:.0f} MiB/s{vs}"])
+                                 f"{rate / 2**20:.0f} MiB/s{vs}", peaks(res[c.label], ds.get(c.anchor))])
             lines += rows
             raw[checkpoint.name] = {"info": info, "rows": rows}
     print()
@@ -215,7 +228,7 @@ def main() -> int:
                                                      for k, v in base.items()))
     print(table(["checkpoint", "conversion", "ckpt (median)", "ckpt CPU user+sys", "output", "copy floor: cp -r + sync (median)",
                  "ckpt / floor", f"within {GOAL}x", "DeepSpeed's tool (median)", "ckpt / DeepSpeed",
-                 "read rate after start-up"], lines))
+                 "read rate after start-up", "peak RssAnon: ckpt / DeepSpeed's tool"], lines))
     write_json(args, raw)
     return 0 if all(r[7] != "**no**" for r in lines) else 1
 
