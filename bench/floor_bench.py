@@ -137,7 +137,9 @@ def main() -> int:
     ap.add_argument("--only", nargs="+", help="labels of the conversions to run (default: all)")
     ap.add_argument("--no-anchors", action="store_true", help="leave out DeepSpeed's tools (ckpt and floors only)")
     args = ap.parse_args()
-    convs = [c for c in CONVERSIONS if not args.only or c.label in args.only or c.label.split()[0] in args.only]
+    labels = {c.label for c in CONVERSIONS}  # a label picks itself; another word picks the conversions it starts
+    convs = [c for c in CONVERSIONS if not args.only or c.label in args.only
+             or (c.label.split()[0] in args.only and c.label.split()[0] not in labels)]
     raw, lines = {}, []
     with work_folder(args, "ckptlib-floor-") as work:
         base = {k: [] for k in ("export", "analysis")}

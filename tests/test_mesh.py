@@ -121,3 +121,23 @@ def test_universal_of_3d_loads_exactly_at_its_own_and_another_mesh(parallel_fixt
                 for key in ("exp_avg", "exp_avg_sq"):
                     assert torch.equal(got["states"][key][n], ref["states"][key][n]), (name, key, n)
             assert got["step"] == ref["step"]
+
+
+@pytest.mark.parametrize("name", ["pp2_tp2_dp1_z1_bf16", "pp2_tp2_dp2_z1_bf16", "pp2_tp2_dp1_z0_fp32"])
+def test_dcp_export_with_the_optimizer_holds_the_live_engines_masters_and_moments(parallel_fixtures, tmp_path, name):
+    """A DCP export of a 3D checkpoint, read back by torch's own DCP reader: the full masters and moments
+    (every stage's and tensor rank's optimizer state joined) and the step."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    fx = parallel_fixtures[name]
+    ref = torch.load(fx["path"] / "reference.pt", weights_only=True)
+    out = tmp_path / "dcp"
+    ckptlib.export(fx["checkpoint_path"], out, format="dcp", dcp={"optimizer": True})
+    dcp_to_torch_save(out, tmp_path / "dcp.pt")
+    sd = torch.load(tmp_path / "dcp.pt", weights_only=False)
+    assert set(ref["params"]) <= set(sd["model"])
+    for n, want in ref["params"].items():
+        assert torch.equal(sd["model"][n], want), n
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(sd["optimizer"]["state"][n][key], ref["states"][key][n]), (n, key)
+        assert sd["optimizer"]["state"][n]["step"].item() == ref["step"], n

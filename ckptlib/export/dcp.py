@@ -169,8 +169,7 @@ def _base_groups(ck: Checkpoint, mp: int) -> list[dict]:
         opt = zs.records.index.stage0_optimizer or {}
         inner = opt.get("optimizer_state_dict", opt) if isinstance(opt, dict) else {}
     else:
-        osd = ck.optimizer_state_dict(Rank(dp=0, pp=mp if ck.kind == "pipeline" else 0,
-                                           tp=mp if ck.kind == "tensor_parallel" else 0))
+        osd = ck.optimizer_state_dict(Rank(dp=0, pp=mp // ck.mesh.tp, tp=mp % ck.mesh.tp))  # mp = stage * tp + tp rank
         inner = osd.get("optimizer_state_dict") if "optimizer_state_dict" in osd else osd.get("base_optimizer_state")
     groups = (inner or {}).get("param_groups") or []
     return [dict(g) for g in groups]
