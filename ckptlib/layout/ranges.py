@@ -61,6 +61,26 @@ _count = operator.attrgetter("count")
 _dtype = operator.attrgetter("dtype")
 
 
+def coalesce(ranges: Sequence[Range]) -> list[Range]:
+    """The same elements in as few ranges as possible: a range that continues the one before it (the same
+    file and dtype, starting at the byte where that one ends; zeros after zeros) joins it. Bytes that are
+    contiguous in a file lie in one zip member (members are separated by their headers), so a joined range
+    reads exactly what its parts read."""
+    out: list = []
+    for r in ranges:
+        if out:
+            last = out[-1]
+            if type(r) is StoredRange and type(last) is StoredRange and r.path == last.path and \
+                    r.dtype == last.dtype and r.offset == last.offset + last.count * _size(last.dtype):
+                out[-1] = StoredRange(last.path, last.offset, last.dtype, last.count + r.count)
+                continue
+            if type(r) is Zeros and type(last) is Zeros:
+                out[-1] = Zeros(last.count + r.count)
+                continue
+        out.append(r)
+    return out
+
+
 def numel(ranges: Sequence[Range]) -> int:
     return sum(map(_count, ranges))
 
@@ -114,4 +134,4 @@ def slice_ranges(ranges: Sequence[Range], start: int, count: int, starts: Option
     return out
 
 
-__all__ = ["StoredRange", "Zeros", "Range", "numel", "stored_bytes", "paths", "range_starts", "slice_ranges"]
+__all__ = ["StoredRange", "Zeros", "Range", "numel", "stored_bytes", "paths", "range_starts", "slice_ranges", "coalesce"]

@@ -18,7 +18,7 @@ from ..deepspeed.zeroset import MODULE
 from ..io.torchzip import TensorHandle
 from ..io.torchzip.standins import TorchSize
 from ..layout.flat import FlatGroupLayout, Zero3Layout, zero3_sub_groups
-from ..layout.ranges import Zeros, numel, range_starts, slice_ranges
+from ..layout.ranges import Zeros, coalesce, numel, range_starts, slice_ranges
 from .target import TargetModel, TargetSet, TargetTensor
 from .trees import copied, replace, streamed
 from .zero3 import Zero3Writer
@@ -51,7 +51,7 @@ class ShardRanges:
         out: list = []
         for start, count in runs:
             out += slice_ranges(ranges, start, count, starts)
-        return out
+        return coalesce(out)  # a shard whose rows lie one after the other in a source file: one range
 
     def dtype(self, t: TargetTensor, key: Optional[str]) -> str:
         ranges, _ = self.full(t.name, key)
