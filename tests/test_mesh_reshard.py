@@ -34,6 +34,13 @@ CASES = {
     "tp-2to1": ("tp2_dp2_z1_bf16", 1, 1, 2, {}),
     "tp-1to2": ("tp1_dp2_z1_bf16", 1, 2, 1, {}),
 }
+#: an original loaded as it is at another mesh (fixture, pp, tp, dp): what DeepSpeed does, which the resume
+#: check predicts
+AS_IS = {
+    "as-is-tp1": ("pp2_tp2_dp1_z1_bf16", 2, 1, 1),
+    "as-is-pp1": ("pp2_tp2_dp1_z1_bf16", 1, 2, 1),
+    "as-is-megatron-tp1": ("tp2_dp2_z1_bf16", 1, 1, 2),
+}
 #: MoE case -> (fixture, target ep, world); one expert-parallel size per launch (DeepSpeed's expert groups are
 #: process-global)
 MOE_CASES = {
@@ -77,6 +84,11 @@ def loads(parallel_fixtures, tmp_path_factory):
             originals.add(name)
             job, world = mesh_job(fx["path"], name=f"{name}/original")
             jobs.setdefault(world, []).append(job)
+    for case, (name, pp, tp, dp) in AS_IS.items():
+        fx = parallel_fixtures[name]
+        job, world = mesh_job(fx["path"], pp=pp, tp=tp, dp=dp, checkpoint_dir=fx["checkpoint_path"], tag=fx["tag"],
+                              name=case)
+        jobs.setdefault(world, []).append(job)
     moe_jobs: dict = {}
     for case, (name, ep, world) in MOE_CASES.items():
         fx = parallel_fixtures[name]
@@ -279,3 +291,17 @@ def test_autotp_tp1_steps_like_deepspeeds_own_route(autotp_loads):
     assert "error" not in ds, ds.get("error")
     for n, want in ds["after_step"]["params"].items():
         assert torch.equal(ours["after_step"]["params"][n], want), n
+
+
+@pytest.mark.parametrize("case", AS_IS)
+def test_deepspeed_refuses_an_unchanged_checkpoint_at_another_mesh_as_the_resume_check_predicts(loads, parallel_fixtures,
+                                                                                                case):
+    from ckptlib.analysis.resume import REFUSED, resume_check
+
+    name, pp, tp, dp = AS_IS[case]
+    res = loads[0][case]
+    assert "error" in res and res["phase"] == "load", res
+    predicted = resume_check(parallel_fixtures[name]["checkpoint_path"], res["config"], pp * tp * dp, pp=pp, tp=tp)
+    assert predicted.verdict == REFUSED, predicted.describe()
+    assert res["error"] in [f.deepspeed for f in predicted.findings], (res["error"], predicted.describe())
+    assert any(f.fix and f"ckpt reshard " in f.fix and f"--tp {tp} --pp {pp} " in f.fix for f in predicted.findings)

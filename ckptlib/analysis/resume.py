@@ -148,16 +148,44 @@ def _reshard(ck: Checkpoint, t: Target, universal: bool = False) -> str:
     return f"ckpt reshard {where} OUT --world-size {t.dp * t.sp}   (then load OUT)"
 
 
+#: DeepSpeed 0.19.8 loading a checkpoint at another tensor-parallel size (a Megatron-style mpu or the pipeline
+#: grid): its Megatron state-dict loader looks for Megatron's key names in the first model file
+_TP_CHANGE = "AssertionError: key: attention.dense.weight is not found in the checkpoint {file}"
+#: ... at another pipeline size with ZeRO-1/2 (the module loads from the layer files; the optimizer does not)
+_PP_CHANGE = ("RuntimeError: The ZeRO checkpoint parameter-alignment layout does not match the current "
+              "zero_optimization.parameter_alignment setting. Load with the setting used to save the checkpoint, "
+              "or disable optimizer-state loading for a module-only warm start.")
+
+
+def _first_model_file(ck: Checkpoint) -> str:
+    """The model file DeepSpeed's rank 0 reads first: stage 0's first layer file of tensor rank 0, else
+    ``mp_rank_00_model_states.pt``."""
+    names = sorted(os.listdir(ck.location.tag_dir))
+    layers = [n for n in names if n.startswith("layer_") and n.endswith("-model_states.pt")
+              and (n.count("-model_") == 1 or "-model_00-" in n)]
+    return os.path.join(ck.location.tag_dir, layers[0] if layers else "mp_rank_00_model_states.pt")
+
+
 def _mesh(ck: Checkpoint, t: Target) -> list[Finding]:
+    """Checked on the 3D, pipeline and Megatron-style fixtures (tests/test_mesh_reshard.py loads them at
+    another tp and pp); an expert-parallel change and AutoTP are not checked."""
     out = []
-    for label, saved, now in (("pipeline", ck.mesh.pp, t.pp), ("tensor-parallel", ck.mesh.tp, t.tp),
-                              ("expert-parallel", ck.mesh.ep, t.ep)):
-        if saved != now:
-            out.append(Finding(REFUSED, f"saved with {label} size {saved}, loaded at {now}: DeepSpeed reads each stage's "
-                               "and tensor rank's files by their own rank and does not re-split them (unchecked: the "
-                               "fixtures load no mesh change)",
-                               fix=f"ckpt reshard {ck.location.save_dir} OUT --tp {t.tp} --pp {t.pp} --ep {t.ep} "
-                                   f"--dp {t.dp}   (then load OUT at that mesh; see docs/reshard.md)"))
+    fix = (f"ckpt reshard {ck.location.save_dir} OUT --tp {t.tp} --pp {t.pp} --ep {t.ep} --dp {t.dp}   (then load "
+           "OUT at that mesh; see docs/reshard.md)")
+    if ck.mesh.tp != t.tp:
+        out.append(Finding(REFUSED, f"saved with tensor-parallel size {ck.mesh.tp}, loaded at {t.tp}: DeepSpeed does "
+                           "not re-split the tensor ranks' files (checked with a Megatron-style mpu and the pipeline "
+                           "grid; AutoTP unchecked)",
+                           deepspeed=_TP_CHANGE.format(file=_first_model_file(ck)), fix=fix))
+    if ck.mesh.pp != t.pp:
+        checked = ck.mesh.tp == t.tp and ck.zero_stage in (1, 2) and ck.mesh.dp == t.dp
+        out.append(Finding(REFUSED, f"saved with pipeline size {ck.mesh.pp}, loaded at {t.pp}: the layer files load, "
+                           "the optimizer state of another stage split does not",
+                           deepspeed=_PP_CHANGE if checked else None, fix=fix))
+    if ck.mesh.ep != t.ep:
+        out.append(Finding(REFUSED, f"saved with expert-parallel size {ck.mesh.ep}, loaded at {t.ep}: DeepSpeed reads "
+                           "each expert-parallel rank's files by their own rank and does not re-split them "
+                           "(unchecked)", fix=fix))
     return out
 
 
