@@ -19,11 +19,13 @@ Pure data and arithmetic: no I/O here.
 """
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ...dtypes import itemsize
+from ..torchzip.opcodes import emit_scalar
 from ..torchzip.standins import TorchSize
 
 VERSION = "1.0.0"  # torch.distributed.checkpoint.filesystem.CURRENT_DCP_VERSION in torch 2.4 to 2.13
@@ -44,10 +46,7 @@ class Chunk:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.sizes:
-            n *= s
-        return n
+        return math.prod(self.sizes)
 
 
 @dataclass
@@ -61,10 +60,7 @@ class TensorEntry:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -132,23 +128,8 @@ class _Emitter:
         elif isinstance(obj, _Key):
             self.emit(_Obj(MODULE, "MetadataIndex", {"fqn": obj.fqn, "index": obj.index,
                                                      "offset": None if obj.offsets is None else TorchSize(obj.offsets)}))
-        elif obj is None:
-            o += b"N"
-        elif obj is True:
-            o += b"\x88"
-        elif obj is False:
-            o += b"\x89"
-        elif isinstance(obj, int):
-            if -2**31 <= obj < 2**31:
-                o += b"J" + struct.pack("<i", obj)
-            else:
-                raw = obj.to_bytes((obj.bit_length() + 8) // 8, "little", signed=True)
-                o += b"\x8a" + bytes([len(raw)]) + raw
-        elif isinstance(obj, float):
-            o += b"G" + struct.pack(">d", obj)
-        elif isinstance(obj, str):
-            raw = obj.encode("utf-8", "surrogatepass")
-            o += b"X" + struct.pack("<I", len(raw)) + raw
+        elif emit_scalar(o, obj):
+            pass
         elif isinstance(obj, TorchSize):
             self.glob("torch", "Size")
             self.emit((tuple(obj),))

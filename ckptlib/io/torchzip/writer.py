@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import os
-import struct
 import zlib
 from typing import Any, Callable, Optional
 
@@ -27,6 +26,7 @@ from ..sources import SourceFiles
 from ..streaming import ChunkBuffers, copy_ranges
 from .handles import TensorHandle
 from .specs import NewTensor, StorageAddress, StoredTensor
+from .opcodes import emit_scalar
 from .standins import FragmentAddress, Standin, TorchDevice, TorchDType, TorchSize, ZeroStage
 from .trees import as_specs, walk_tensors
 from .zipfmt import ALIGN, ZIP64_LIMIT, central_directory, layout_records, local_header
@@ -49,27 +49,12 @@ class _Pickle:
 
     def emit(self, obj: Any) -> None:  # noqa: C901 - a dispatch table would hide the opcodes
         o = self.out
-        if obj is None:
-            o += b"N"
-        elif obj is True:
-            o += b"\x88"
-        elif obj is False:
-            o += b"\x89"
-        elif isinstance(obj, ZeroStage):
+        if isinstance(obj, ZeroStage):  # before the ints: an IntEnum
             self.glob("deepspeed.runtime.zero.config", "ZeroStageEnum")
             self.emit((int(obj),))
             o += b"R"
-        elif isinstance(obj, int):
-            if -2**31 <= obj < 2**31:
-                o += b"J" + struct.pack("<i", obj)
-            else:
-                raw = obj.to_bytes((obj.bit_length() + 8) // 8, "little", signed=True)
-                o += b"\x8a" + bytes([len(raw)]) + raw
-        elif isinstance(obj, float):
-            o += b"G" + struct.pack(">d", obj)
-        elif isinstance(obj, str):
-            raw = obj.encode("utf-8", "surrogatepass")
-            o += b"X" + struct.pack("<I", len(raw)) + raw
+        elif emit_scalar(o, obj):
+            pass
         elif isinstance(obj, TorchSize) or _is_torch(obj, "Size"):
             self.glob("torch", "Size")
             self.emit((tuple(obj),))

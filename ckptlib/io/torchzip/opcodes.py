@@ -1,0 +1,32 @@
+"""Protocol-2 pickle opcodes of the plain values, shared by ckptlib's two pickle writers (the torch zip
+files' :mod:`.writer` and DCP's ``.metadata`` in :mod:`ckptlib.io.dcp.metadata`)."""
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+
+def emit_scalar(out: bytearray, obj: Any) -> bool:
+    """Append ``obj``'s opcodes to ``out`` if it is None, a bool, an int, a float or a str, as ``pickle``
+    writes them (``BININT`` or ``LONG1``, ``BINFLOAT``, ``BINUNICODE``); False (nothing written) otherwise.
+    Subclasses of these count as the base type: a writer that pickles them otherwise checks them first."""
+    if obj is None:
+        out += b"N"
+    elif obj is True:
+        out += b"\x88"
+    elif obj is False:
+        out += b"\x89"
+    elif isinstance(obj, int):
+        if -2**31 <= obj < 2**31:
+            out += b"J" + struct.pack("<i", obj)
+        else:
+            raw = obj.to_bytes((obj.bit_length() + 8) // 8, "little", signed=True)
+            out += b"\x8a" + bytes([len(raw)]) + raw
+    elif isinstance(obj, float):
+        out += b"G" + struct.pack(">d", obj)
+    elif isinstance(obj, str):
+        raw = obj.encode("utf-8", "surrogatepass")
+        out += b"X" + struct.pack("<I", len(raw)) + raw
+    else:
+        return False
+    return True
