@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
@@ -262,6 +263,24 @@ def _pipeline_buffers(folder: Path) -> tuple[dict, list[Path]]:
     return out, files
 
 
+_EXPERT = re.compile(r"(deepspeed_experts\.)(\d+)(\.)")
+
+
+def _unstacked(local: str, h: TensorHandle, ep: int, model: dict, path: Path) -> list:
+    """``[(global name, ranges)]`` of a universal expert file of local name ``local`` stacking the experts of
+    ``ep`` expert-parallel ranks (ckptlib's and DeepSpeed's ``is_expert_param`` / ``ep_num_experts``):
+    entry ``e`` is global expert ``e * L + i`` (``L`` = experts per layer / ``ep``, ``i`` the local id)."""
+    counts = set(model.get("num_experts") or [])
+    m = _EXPERT.search(local)
+    if m is None or len(counts) != 1 or not isinstance(ep, int) or ep < 1 or next(iter(counts)) % ep or \
+            not h.shape or h.shape[0] != ep:
+        raise CkptError(f"an expert file stacking {ep!r} experts that this checkpoint's num_experts "
+                        f"({model.get('num_experts')}) and its shape {tuple(h.shape)} do not explain", path=path)
+    per, n = next(iter(counts)) // ep, h.numel // ep
+    return [(_EXPERT.sub(lambda x: f"{x.group(1)}{e * per + int(x.group(2))}{x.group(3)}", local, count=1),
+             tuple(h.ranges(e * n, n))) for e in range(ep)]
+
+
 def universal_tensors(folder: Path, states: bool = False) -> tuple[dict, list[Path]]:
     model = _model_states(folder) or {}
     shapes: dict = {}
@@ -277,15 +296,22 @@ def universal_tensors(folder: Path, states: bool = False) -> tuple[dict, list[Pa
                 continue
             with open_torch_file(f) as tf:
                 obj = tf.obj.get("param") if isinstance(tf.obj, dict) else tf.obj
+                stacked = tf.obj.get("ep_num_experts") if isinstance(tf.obj, dict) and \
+                    tf.obj.get("is_expert_param") else None
             if not isinstance(obj, TensorHandle):
                 raise CkptError("this universal file holds no tensor", path=f)
+            state = None if key == "fp32" else key
+            files.append(f)
+            if stacked:  # experts of one local id, one per expert-parallel rank, under their global names
+                for name, ranges in _unstacked(d.name, obj, stacked, model, f):
+                    params[f"{key}/{name}" if state else name] = NamedTensor(
+                        f"{key}/{name}" if state else name, obj.dtype_name, tuple(obj.shape[1:]), ranges, state)
+                continue
             shape = tuple(obj.shape)
             if d.name in shapes and math.prod(shapes[d.name]) == obj.numel:  # ZeRO-3 fragments may be flat
                 shape = shapes[d.name]
-            state = None if key == "fp32" else key
             name = f"{key}/{d.name}" if state else d.name
             params[name] = NamedTensor(name, obj.dtype_name, shape, tuple(obj.ranges()), state)
-            files.append(f)
     module = model.get("module") if isinstance(model.get("module"), dict) else {}
     buffers = set(model.get("buffer_names") or [])
     shared = model.get("shared_params") or {}

@@ -291,11 +291,14 @@ def _verify_universal(plan, src: Checkpoint, out: Path, cmp: Comparer, share: Sh
         return checks
     bad, total = [], 0
     keys = list(src.optimizer.state_keys) if src.optimizer else []
+    experts = getattr(plan, "experts", None) or {}  # MoE: global name -> [local folder, entry, entries]
     for p in src.parameters:
         if p.tied_to or not p.trainable:
             continue
+        folder, entry, entries = experts.get(p.name) or (p.name, None, None)
+        shape = tuple(p.shape) if entry is None else (entries, *p.shape)
         for key in [None] + keys:
-            path = out / plan.universal_tag / "zero" / p.name / f"{key or 'fp32'}.pt"
+            path = out / plan.universal_tag / "zero" / folder / f"{key or 'fp32'}.pt"
             if key is not None and not path.is_file():
                 continue  # a state the universal layout does not carry (see the plan's notes)
             total += 1
@@ -303,8 +306,9 @@ def _verify_universal(plan, src: Checkpoint, out: Path, cmp: Comparer, share: Sh
                 continue
             with open_torch_file(path) as tf:
                 obj = tf.obj["param"] if isinstance(tf.obj, dict) else tf.obj
-                ok = isinstance(obj, TensorHandle) and tuple(obj.shape) == tuple(p.shape) and \
-                    cmp.equal(src.sources(p.name, key), obj.ranges(), "float32")
+                ok = isinstance(obj, TensorHandle) and tuple(obj.shape) == shape and cmp.equal(
+                    src.sources(p.name, key), obj.ranges() if entry is None else obj.ranges(entry * p.numel, p.numel),
+                    "float32")
             if not ok:
                 bad.append(f"{p.name}/{key or 'fp32'}")
     checks.append(_tally("every fp32 master and optimizer state equals the source's, bit for bit", total, bad))

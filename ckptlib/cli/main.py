@@ -136,11 +136,12 @@ def _cmd_reshard(args: argparse.Namespace) -> int:
             raise CkptError("give the new size: --world-size (data parallel), --tp, --pp or --ep "
                             "(or --universal for a size-independent checkpoint)")
         if args.universal:
-            if mesh_given or args.world_size is not None:
-                raise CkptError("--universal writes a checkpoint for any size: leave out --world-size, --tp, --pp, --ep")
+            if args.world_size is not None or args.tp is not None or args.pp is not None:
+                raise CkptError("--universal writes a checkpoint for any data, tensor and pipeline size: leave out "
+                                "--world-size, --tp, --pp (--ep: the expert-parallel size of an MoE checkpoint's)")
             return plan_universal(args.path, args.out, tag=args.tag, overwrite=args.overwrite, workers=args.workers,
                                   tp_rules=args.tp_rules, hf_files=args.hf_files, sync=args.sync,
-                                  verify_crc=args.verify_crc)
+                                  verify_crc=args.verify_crc, ep=args.ep)
         from ..reshard.stages import parse_tied
 
         return plan_reshard(args.path, args.out, args.world_size, tp=args.tp, pp=args.pp, ep=args.ep,
@@ -276,7 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not carry over the HF Trainer / Accelerate files (trainer_state.json, scheduler.pt, "
                         "training_args.bin, model.safetensors, config, tokenizer, RNG states, scheduler.bin ...)")
     p.add_argument("--universal", action="store_true",
-                   help="write DeepSpeed's universal checkpoint layout instead (load with load_universal at any size)")
+                   help="write DeepSpeed's universal checkpoint layout instead (load with load_universal at any size; "
+                        "MoE: at the expert-parallel size --ep, default the source's)")
     p.add_argument("--plan", action="store_true", help="only show which source ranks feed which target rank, "
                    "bytes and memory; write nothing")
     p.add_argument("--json", action="store_true", help="with --plan: print the plan as JSON")

@@ -213,17 +213,13 @@ def every_entry(ck: Checkpoint) -> list:
 
 
 def refuse_unsupported(ck: Checkpoint) -> None:
-    """Checkpoints a reshard (direct or universal) does not apply to, or cannot rewrite yet, each with the reason."""
+    """Checkpoints a reshard (direct or universal) does not apply to, or cannot rewrite yet, each with the reason
+    (mixture-of-experts checkpoints: :mod:`ckptlib.reshard.moe` and :mod:`ckptlib.reshard.moe_universal`)."""
     where = ck.location.tag_dir
     if ck.flavor == NO_ZERO:
         raise UnsupportedCheckpointError(
             "this checkpoint has no ZeRO partitioning (stage 0): DeepSpeed loads it at any data-parallel size "
             "as it is", path=where, hint="no reshard is needed")
-    if ck.num_experts:
-        raise UnsupportedCheckpointError(
-            "resharding a mixture-of-experts checkpoint is not supported yet (its expert groups are partitioned "
-            "over the expert-data-parallel ranks, which change with the world size)", path=where,
-            hint="`ckpt export` writes its full model (every expert under its global id)")
     if ck.kind == "pipeline" and ck.zero_stage == 0:
         raise UnsupportedCheckpointError(
             "a ZeRO-0 pipeline checkpoint with BF16_Optimizer: DeepSpeed 0.19.8 cannot load these even at the size "

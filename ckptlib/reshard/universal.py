@@ -82,7 +82,7 @@ files, cut the same wrong way at save, happen to load right at the saving size o
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Optional, Union
 
@@ -96,6 +96,7 @@ from ..io.torchzip import TensorHandle
 from ..mesh import Rank
 from ..plan import CopyFile, Plan, TextFile
 from ..units import human_bytes
+from .moe_universal import expert_folders, moe_notes, renamed_groups, stacked_entries, target_ep
 from .plan import default_workers, every_entry, refuse_unsupported
 from .trees import client_files, copied, replace, streamed, tree_file
 
@@ -112,6 +113,8 @@ class UniversalPlan(Plan):
 
     action: ClassVar[str] = "universal"
     universal_tag: str
+    ep: Optional[int] = None  # MoE: the expert-parallel size the folder is for
+    experts: dict = field(default_factory=dict)  # MoE: {global name: [local folder, entry, entries]}
 
     def to_dict(self) -> dict:
         src = self.source
@@ -123,6 +126,7 @@ class UniversalPlan(Plan):
                        "write_bytes": f.write_bytes, "bytes": f.size} for f in self.files],
             "read_bytes": self.read_bytes, "write_bytes": self.write_bytes, "file_bytes": self.file_bytes,
             "predicted_peak_bytes": self.predicted_peak_bytes, "sync": self.sync, "notes": list(self.notes),
+            **({"ep": self.ep, "experts": self.experts} if self.ep else {}),
         }
 
     def describe(self) -> str:
@@ -131,7 +135,8 @@ class UniversalPlan(Plan):
         lines = [f"universal checkpoint of {src.tag_dir}",
                  f"     -> {self.out}/{self.universal_tag}  (+ {LATEST_UNIVERSAL})",
                  f"ZeRO {src.zero_stage} ({src.flavor}), {src.dtype}, saved by {src.partition_count} ranks; "
-                 "DeepSpeed loads it at any data-parallel size with \"checkpoint\": {\"load_universal\": true}",
+                 "DeepSpeed loads it at any data-parallel size" + (f" (expert-parallel size {self.ep})" if self.ep else "")
+                 + " with \"checkpoint\": {\"load_universal\": true}",
                  *self.summary_lines(), f"{params} parameters; no temporary files"]
         width = max([len(f.name) for f in self.files if f.kind != "param_state"] + [10])
         for f in self.files:
@@ -263,6 +268,11 @@ def _notes(ck: Checkpoint, tied: list, skipped_frozen: list) -> list[str]:
     return notes
 
 
+def _joined(ck: Checkpoint, names: list, key: Optional[str]) -> list:
+    """The source ranges of state ``key`` of the tensors ``names``, one after the other."""
+    return [r for n in names for r in ck.sources(n, key)]
+
+
 def _model_state_files(ck: Checkpoint, utag: str) -> list:
     """Every model-states file (each stage's or tensor rank's) and every layer file, copied; a model-states
     file of a pipeline or tensor-parallel run without ``universal_checkpoint_info`` gets one (the loader
@@ -295,7 +305,8 @@ def _model_state_files(ck: Checkpoint, utag: str) -> list:
 def plan_universal(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str, os.PathLike], *,
                    tag: Optional[str] = None, overwrite: bool = False,
                    chunk_bytes: int = DEFAULT_CHUNK_BYTES, workers: Optional[int] = None,
-                   tp_rules=None, hf_files: bool = True, sync: bool = True, verify_crc: bool = False) -> UniversalPlan:
+                   tp_rules=None, hf_files: bool = True, sync: bool = True, verify_crc: bool = False,
+                   ep: Optional[int] = None) -> UniversalPlan:
     """Plan writing the universal checkpoint of a ZeRO-1/2/3 (or BF16_Optimizer) checkpoint (metadata only).
 
     ``out`` is a new folder that DeepSpeed loads with ``engine.load_checkpoint(out)`` and
@@ -303,6 +314,9 @@ def plan_universal(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[s
     the layout and what the loader reads). ``hf_files``: carry over the HF Trainer / Accelerate files
     beside the checkpoint as :func:`~ckptlib.reshard.plan_reshard` does (the RNG states as saved).
     ``sync``, ``verify_crc``: as for :func:`~ckptlib.reshard.plan_reshard`.
+    ``ep``: for a mixture-of-experts checkpoint, the expert-parallel size the folder is for (default: the
+    source's; DeepSpeed's universal loader finds experts by their local ids, so a folder serves one size, see
+    :mod:`ckptlib.reshard.moe_universal`).
     Memory: the plan (object trees whose tensors are range lists, not read yet).
     """
     ck = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, tag=tag, tp_rules=tp_rules)
@@ -313,9 +327,17 @@ def plan_universal(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[s
             "ZeRO stages 1-3", path=ck.location.tag_dir,
             hint="DeepSpeed loads a stage-0 checkpoint at any size as it is")
     refuse_unsupported(ck)
+    if ep is not None and not ck.num_experts:
+        raise UnsupportedCheckpointError("this checkpoint has no experts: there is no expert-parallel size to choose",
+                                         path=ck.location.tag_dir)
+    moe_ep = target_ep(ck, ep) if ck.num_experts else None
+    folders = expert_folders(ck, moe_ep) if moe_ep else {}
+    folder_of = {n: local for local, names in folders.items() for n in names}
     src = _Source(ck)
     utag = f"{ck.location.tag}{UNIVERSAL_SUFFIX}"
     optimizer_state = src.optimizer_state()
+    if moe_ep:
+        optimizer_state["param_groups"] = renamed_groups(optimizer_state["param_groups"], moe_ep)
     files: list = []
 
     def add(name: str, obj: Any, kind: str = "param_state", ranks: Optional[list] = None) -> None:
@@ -326,7 +348,13 @@ def plan_universal(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[s
         if p.tied_to:
             tied.append(p.name)
             continue
-        check_name(p.name, ck)
+        folder, names, stacked = p.name, [p.name], {}
+        if p.name in folder_of:  # an expert: its folder is its local name, holding the experts of that id
+            folder = folder_of[p.name]
+            if folders[folder][0] != p.name:
+                continue  # written with the first
+            names, stacked = folders[folder], stacked_entries(moe_ep)
+        check_name(folder, ck)
         if not p.trainable:
             try:
                 ranges = ck.sources(p.name)
@@ -336,21 +364,23 @@ def plan_universal(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[s
             add(f"{p.name}/fp32.pt", {"param": streamed("float32", ranges, shape=tuple(p.shape))})  # as ds_to_universal
             continue
         single = len(ck.sets) == 1
-        ranks = sorted({pc.rank for pc in ck.pieces(p.name)}) if single else []
+        ranks = sorted({pc.rank for n in names for pc in ck.pieces(n)}) if single else []
         rg = ck.partition_tensor(Rank(dp=ranks[0]), p.group).requires_grad if ranks else False
         role = ck.view.roles.get(p.name)
-        extra = {"cat_dim": 1 if role == "row" else 0, **({"vocab_tensor": True} if role == "vocabulary" else {})}
-        add(f"{p.name}/fp32.pt", {**extra, "param": streamed("float32", ck.sources(p.name), rg, tuple(p.shape))},
+        extra = {"cat_dim": 1 if role == "row" else 0, **({"vocab_tensor": True} if role == "vocabulary" else {}),
+                 **stacked}
+        shape = (len(names), *p.shape) if stacked else tuple(p.shape)
+        add(f"{folder}/fp32.pt", {**extra, "param": streamed("float32", _joined(ck, names, None), rg, shape)},
             ranks=ranks)
         for key in src.keys.get(p.group, []):
-            ranges = ck.sources(p.name, key)
+            ranges = _joined(ck, names, key)
             h = ck.partition_tensor(Rank(dp=ranks[0]), p.group, key) if ranks else None
             dtype = ranges[0].dtype if ranges else "float32"
-            add(f"{p.name}/{key}.pt", {**extra, "param": streamed(dtype, ranges, bool(h and h.requires_grad),
-                                                                   tuple(p.shape))}, ranks=ranks)
+            add(f"{folder}/{key}.pt", {**extra, "param": streamed(dtype, ranges, bool(h and h.requires_grad), shape)},
+                ranks=ranks)
         step = src.step(p.group)
         if step is not None:
-            add(f"{p.name}/step.pt", copied(step) if isinstance(step, TensorHandle) else step)
+            add(f"{folder}/step.pt", copied(step) if isinstance(step, TensorHandle) else step)
     add("optimizer_state.pt", optimizer_state, kind="optimizer_state")
     files += _model_state_files(ck, utag)
     carried, carried_notes = client_files(ck, None) if hf_files else ([], [])
@@ -360,9 +390,12 @@ def plan_universal(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[s
                "DeepSpeedPlugin)" if carried else "")]
     return UniversalPlan(source=ck.source_ref(), out=Path(out).expanduser().resolve(), universal_tag=utag,
                          files=files, finals=[TextFile(LATEST_UNIVERSAL, utag, kind="latest")],
-                         folders=[f"{utag}/zero"], chunk_bytes=chunk_bytes, overwrite=overwrite, sync=sync,
+                         folders=[f"{utag}/zero"], chunk_bytes=chunk_bytes, ep=moe_ep,
+                         experts={n: [local, names.index(n), len(names)] for local, names in folders.items()
+                                  for n in names}, overwrite=overwrite, sync=sync,
                          checks=replica_checks(ck), crc=every_entry(ck) if verify_crc else [],
-                         notes=src.notes + _notes(ck, tied, skipped_frozen) + carried_notes + load,
+                         notes=src.notes + _notes(ck, tied, skipped_frozen) + moe_notes(ck, moe_ep) + carried_notes
+                         + load,
                          workers=workers or default_workers())
 
 
