@@ -72,9 +72,9 @@ def _reshardable(fx) -> bool:
 
 
 def _universal(fx) -> bool:
-    """... and writes universal checkpoints of them, but of MoE (DeepSpeed's universal loader looks experts up
-    by their local names, which differ between expert-parallel ranks)."""
-    return _reshardable(fx) and fx["kind"] != "moe"
+    """... and writes universal checkpoints of them (MoE: its expert files stack the experts of one local id,
+    which diff reads under their global ids)."""
+    return _reshardable(fx)
 
 
 # ================================================================================================ health

@@ -49,6 +49,20 @@ MOE_CASES = {
     "moe-ep2-dp4": ("moe_ep2_z2_bf16", 2, 4),
     "moe-ep1-dp1": ("moe_ep1_z1_bf16", 1, 1),
 }
+#: MoE universal case -> (fixture, the expert-parallel size written for and loaded at, world): DeepSpeed loads
+#: each with load_universal (its experts sliced per ep rank from the stacked files); in the MoE launches above
+MOE_UNIVERSAL_CASES = {
+    "moe-universal-ep2": ("moe_ep2_z1_bf16", 2, 2),
+    "moe-universal-ep2to1": ("moe_ep2_z1_bf16", 1, 2),
+    "moe-universal-ep1to2-dp4": ("moe_ep1_z2_bf16", 2, 4),
+    "moe-universal-ep1-dp1": ("moe_ep1_z1_bf16", 1, 1),
+}
+#: a universal folder loaded at another expert-parallel size than written for -> (the case that wrote it, load ep,
+#: world, DeepSpeed's words): refused by DeepSpeed, never loaded with other experts' values
+MOE_UNIVERSAL_WRONG_EP = {
+    "moe-universal-ep2-at-ep1": ("moe-universal-ep2", 1, 2, "full param numel 1254 != tensor slice numel 627"),
+    "moe-universal-ep1-at-ep2": ("moe-universal-ep2to1", 2, 2, "num_experts (1) not divisible by ep_size (2)"),
+}
 #: AutoTP cases (tp 2 -> 1): the plain HF model, no AutoTP, resumes them
 AUTOTP_CASES = ["autotp_tp2_dp1_z1_bf16", "autotp_tp2_dp2_z2_fp32", "autotp_tp2_dp1_z3_bf16", "autotp_tp2_dp2_z3_bf16_tied"]
 #: bf16 cases whose tensor (or expert-parallel) size changes: the step after loading is computed with other
@@ -101,6 +115,16 @@ def loads(parallel_fixtures, tmp_path_factory):
             originals.add(name)
             job, w = mesh_job(fx["path"], name=f"{name}/original")
             moe_jobs.setdefault((fx["ep"], w), []).append(job)
+    for case, (name, ep, world) in MOE_UNIVERSAL_CASES.items():
+        fx = parallel_fixtures[name]
+        outs[case] = ckptlib.write_universal(fx["checkpoint_path"], work / case, ep=ep).out
+        job, w = mesh_job(fx["path"], ep=ep, dp=world, checkpoint_dir=outs[case], universal=True, name=case)
+        moe_jobs.setdefault((ep, w), []).append(job)
+        assert name in originals  # resumed in the launch of its own ep and world (MOE_CASES)
+    for case, (of, ep, world, _) in MOE_UNIVERSAL_WRONG_EP.items():
+        job, w = mesh_job(parallel_fixtures[MOE_UNIVERSAL_CASES[of][0]]["path"], ep=ep, dp=world,
+                          checkpoint_dir=outs[of], universal=True, name=case)
+        moe_jobs.setdefault((ep, w), []).append(job)
     results = {}
     for world, js in sorted(jobs.items()):
         results.update(run_mesh_loads(js, world, work / f"w{world}"))
@@ -166,6 +190,48 @@ def test_one_more_step_matches_resuming_the_original(loads, parallel_fixtures, c
     assert res["after_step"]["step"] == base["after_step"]["step"]
 
 
+@pytest.mark.parametrize("case", MOE_UNIVERSAL_CASES)
+def test_deepspeed_loads_an_moe_universal_checkpoint_exactly_at_the_ep_it_was_written_for(loads, parallel_fixtures,
+                                                                                          case):
+    """Masters, both moments and 16-bit weights of every expert (under its global id) and of the dense weights,
+    and the step; one more step like resuming the original (bit for bit at the source's ep and world).
+    Buffers are not compared: no universal load restores them (docs/reshard.md)."""
+    results, _ = loads
+    name, ep, world = MOE_UNIVERSAL_CASES[case]
+    fx = parallel_fixtures[name]
+    res, base = results[case], results[f"{name}/original"]
+    assert "error" not in res and "error" not in base, (res.get("error"), base.get("error"))
+    assert res["universal"] and res["mesh"] == {"pp": 1, "tp": 1, "dp": world, "ep": ep}
+    ref = torch.load(fx["path"] / "reference.pt", weights_only=True)
+    got = res["loaded"]
+    assert sum("deepspeed_experts" in n for n in ref["params"]) == 16
+    for n, want in ref["params"].items():
+        assert _same(got["params"][n], want), n
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert _same(got["states"][key][n], ref["states"][key][n]), (key, n)
+    for n, want in ref["module16"].items():
+        assert _same(got["module16"][n], want), n
+    assert got["step"] == ref["step"]
+    same_mesh = (ep, world) == (fx["ep"], fx["world"])
+    tol = TP_CHANGE_TOLERANCE if ep != fx["ep"] else 0.05
+    for n, want in base["after_step"]["params"].items():
+        a, s0 = res["after_step"]["params"][n], base["loaded"]["params"][n]
+        if same_mesh:
+            assert _same(a, want), n
+        update = float((want.double() - s0.double()).norm())
+        assert float((a.double() - want.double()).norm()) <= tol * max(update, 1e-12), n
+    assert res["after_step"]["step"] == base["after_step"]["step"]
+
+
+@pytest.mark.parametrize("case", MOE_UNIVERSAL_WRONG_EP)
+def test_deepspeed_refuses_an_moe_universal_checkpoint_at_another_ep(loads, case):
+    """The stacked expert files (ep 1 included) make DeepSpeed's universal loader fail at any other ep; a plain
+    ep-1 file would load at ep 2 with rank 0's experts on every rank (measured: max |diff| 1.69)."""
+    *_, words = MOE_UNIVERSAL_WRONG_EP[case]
+    res = loads[0][case]
+    assert res.get("phase") == "load" and words in res["error"], res.get("error")
+
+
 def test_a_tensor_size_change_steps_like_deepspeeds_own_route(loads, parallel_fixtures, tmp_path):
     """tp 2 -> 1 (Megatron-style, bf16): the step after loading our files equals, bit for bit, the step after
     DeepSpeed's own route (ds_to_universal, then load_universal at tp 1) on every real vocabulary row; the
@@ -196,7 +262,8 @@ def _cli(*args):
 
 
 @pytest.mark.parametrize("case", ["tp-does-not-divide", "more-stages-than-layers", "one-stage-pipeline-unknown",
-                                  "no-rules-for-a-tensor-axis", "abbreviation"])
+                                  "no-rules-for-a-tensor-axis", "abbreviation", "moe-universal-ep-does-not-divide",
+                                  "moe-universal-zero0", "universal-ep-without-experts", "universal-with-world-size"])
 def test_what_cannot_exist_is_refused_before_anything_is_written(parallel_fixtures, tmp_path, case):
     out = tmp_path / "out"
     if case == "tp-does-not-divide":
@@ -211,6 +278,18 @@ def test_what_cannot_exist_is_refused_before_anything_is_written(parallel_fixtur
     elif case == "no-rules-for-a-tensor-axis":
         fx = parallel_fixtures["tp1_dp2_z1_bf16"]
         args, words = ["--tp", "2"], ["--tp-rules", "no tensor axis"]
+    elif case == "moe-universal-ep-does-not-divide":
+        fx = parallel_fixtures["moe_ep2_z1_bf16"]
+        args, words = ["--universal", "--ep", "3"], ["3 expert-parallel ranks do not divide the 4 experts"]
+    elif case == "moe-universal-zero0":
+        fx = parallel_fixtures["moe_ep2_z0_bf16"]
+        args, words = ["--universal"], ["no ZeRO partitioning (stage 0)", "universal loader only works with ZeRO"]
+    elif case == "universal-ep-without-experts":
+        fx = parallel_fixtures["pp2_dp1_z1_bf16"]
+        args, words = ["--universal", "--ep", "2"], ["no experts"]
+    elif case == "universal-with-world-size":
+        fx = parallel_fixtures["moe_ep2_z1_bf16"]
+        args, words = ["--universal", "--world-size", "4"], ["leave out --world-size"]
     else:  # --tp is its own option, never an abbreviation of --tp-rules
         fx = parallel_fixtures["tp2_dp2_z1_bf16"]
         args, words = ["--tp-rule", "x.json"], ["unrecognized arguments: --tp-rule"]
@@ -305,3 +384,24 @@ def test_deepspeed_refuses_an_unchanged_checkpoint_at_another_mesh_as_the_resume
     assert predicted.verdict == REFUSED, predicted.describe()
     assert res["error"] in [f.deepspeed for f in predicted.findings], (res["error"], predicted.describe())
     assert any(f.fix and f"ckpt reshard " in f.fix and f"--tp {tp} --pp {pp} " in f.fix for f in predicted.findings)
+
+
+def test_an_moe_universal_checkpoint_is_verified_and_diffed_under_global_expert_ids(parallel_fixtures, tmp_path):
+    """--verify and diff read each stacked expert file entry by entry as the global expert it holds: two local
+    folders swapped (experts 0 and 2 / 1 and 3 at ep 2) are found, naming the four global experts."""
+    fx = parallel_fixtures["moe_ep1_z2_bf16"]
+    plan = ckptlib.plan_universal(fx["checkpoint_path"], tmp_path / "u", ep=2)
+    ckptlib.write_universal(plan)
+    assert ckptlib.verify(plan).ok
+    code, out, err = _cli("diff", fx["checkpoint_path"], tmp_path / "u", "--states")
+    assert code == 0 and "67 same, 0 changed" in out, out + err
+    zero = tmp_path / "u" / plan.universal_tag / "zero"
+    a, b = (zero / f"moe.deepspeed_moe.experts.deepspeed_experts.{i}.fc1.bias" / "fp32.pt" for i in (0, 1))
+    held = a.read_bytes()
+    a.write_bytes(b.read_bytes())
+    b.write_bytes(held)
+    bad = {f"moe.deepspeed_moe.experts.deepspeed_experts.{g}.fc1.bias/fp32" for g in range(4)}
+    tallies = [c for c in ckptlib.verify(plan).checks if c.bad]
+    assert len(tallies) == 1 and set(tallies[0].bad) == bad, tallies
+    code, out, err = _cli("diff", fx["checkpoint_path"], tmp_path / "u")
+    assert code == 1 and "4 changed" in out, out + err

@@ -38,8 +38,7 @@ def _refuse(ck: Checkpoint, why: str, hint: Optional[str] = None):
     raise UnsupportedCheckpointError(why, path=ck.location.tag_dir, hint=hint)
 
 
-NATIVE_HINT = ("`ckpt reshard CKPT OUT --ep E --world-size D` writes native files DeepSpeed loads at the new "
-               "expert-parallel and data-parallel sizes exactly; `ckpt export` writes every expert under its global id")
+EXPORT_HINT = "`ckpt export` writes its full model (every expert under its global id)"
 
 
 def target_ep(ck: Checkpoint, ep: Optional[int]) -> int:
@@ -47,10 +46,13 @@ def target_ep(ck: Checkpoint, ep: Optional[int]) -> int:
     the source's), after refusing what DeepSpeed's universal loader cannot load exactly."""
     if ck.flavor != ZERO or ck.zero_stage not in (1, 2):
         _refuse(ck, f"a universal checkpoint of a mixture-of-experts checkpoint at ZeRO-{ck.zero_stage} ({ck.flavor}) "
-                    "is not supported (checked with DeepSpeed 0.19.8 at ZeRO-1/2 only)", NATIVE_HINT)
+                    "is not supported (checked with DeepSpeed 0.19.8 at ZeRO-1/2 only)", EXPORT_HINT)
     if len(ck.sets) > 1:
         _refuse(ck, "a universal checkpoint of a mixture-of-experts checkpoint with pipeline stages or tensor ranks "
-                    "is not supported yet", "`ckpt export` writes every expert under its global id")
+                    "is not supported yet", EXPORT_HINT)
+    frozen = [p.name for p in ck.parameters if expert_id(p.name) is not None and not p.trainable]
+    if frozen:
+        _refuse(ck, f"a universal checkpoint of frozen experts ({frozen[0]}, ...) is not supported yet", EXPORT_HINT)
     counts = set(ck.num_experts or [])
     if len(counts) != 1:
         _refuse(ck, f"MoE layers with different expert counts ({sorted(counts)}) are not supported yet")
@@ -70,7 +72,7 @@ def expert_folders(ck: Checkpoint, ep: int) -> dict:
     out: dict = {}
     for p in ck.parameters:
         g = expert_id(p.name)
-        if g is None or p.tied_to or not p.trainable:
+        if g is None or p.tied_to:
             continue
         local = _EXPERT.sub(lambda m: f"{m.group(1)}{g % num_local}{m.group(3)}", p.name, count=1)
         out.setdefault(local, [None] * ep)[g // num_local] = p.name
@@ -110,4 +112,4 @@ def renamed_groups(param_groups: list, ep: int) -> list:
 
 
 __all__ = ["target_ep", "moe_notes", "expert_folders", "stacked_entries", "renamed_groups", "IS_EXPERT_PARAM", "EP_NUM_EXPERTS",
-           "NATIVE_HINT"]
+           "EXPORT_HINT"]

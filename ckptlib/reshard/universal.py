@@ -48,6 +48,9 @@ What DeepSpeed 0.19.8 reads when loading it at M ranks (``load_universal: true``
   ``exp_avg.pt``, ``exp_avg_sq.pt`` only (a dict with ``'param'`` or a raw tensor), the step from
   ``optimizer_state.pt``. Each rank takes its own slice of the full tensor.
 
+Mixture-of-experts (ZeRO-1/2): the folder is written for one expert-parallel size, every local expert's
+folder stacking the global experts of that local id (:mod:`ckptlib.reshard.moe_universal`).
+
 Choices, where ``ds_to_universal`` (0.19.8) differs:
 
 * every per-element file has the same form ``{'cat_dim': 0, 'param': tensor of the parameter's shape}``
