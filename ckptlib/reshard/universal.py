@@ -99,7 +99,7 @@ from ..io.torchzip import TensorHandle
 from ..mesh import Rank
 from ..plan import CopyFile, Plan, TextFile
 from ..units import human_bytes
-from .moe_universal import expert_folders, moe_notes, renamed_groups, stacked_entries, target_ep
+from .moe_universal import EXPORT_HINT, expert_folders, moe_notes, renamed_groups, stacked_entries, target_ep
 from .plan import default_workers, every_entry, refuse_unsupported
 from .trees import client_files, copied, replace, streamed, tree_file
 
@@ -328,7 +328,7 @@ def plan_universal(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[s
         raise UnsupportedCheckpointError(
             "this checkpoint has no ZeRO partitioning (stage 0): DeepSpeed's universal loader only works with "
             "ZeRO stages 1-3", path=ck.location.tag_dir,
-            hint="DeepSpeed loads a stage-0 checkpoint at any size as it is")
+            hint=EXPORT_HINT if ck.num_experts else "DeepSpeed loads a stage-0 checkpoint at any size as it is")
     refuse_unsupported(ck)
     if ep is not None and not ck.num_experts:
         raise UnsupportedCheckpointError("this checkpoint has no experts: there is no expert-parallel size to choose",
