@@ -145,3 +145,13 @@ def test_universal_limits_are_reported(fixture_by_name):
     r = resume_check(fx["checkpoint_path"], {"zero_optimization": {"stage": 2}, "checkpoint": {"load_universal": True}}, 4)
     assert r.verdict == REFUSED
     assert any(f.verdict == DROPS and "frozen" in f.what for f in r.findings)
+
+
+def test_an_moe_universal_fix_names_the_expert_parallel_size_to_load_at(parallel_fixtures):
+    """An MoE universal folder is for one expert-parallel size (docs/reshard.md): the fix names the target's."""
+    fx = parallel_fixtures["moe_ep2_z1_bf16"]
+    cfg = {"zero_optimization": {"stage": 1}, "bf16": {"enabled": True}, "checkpoint": {"load_universal": True}}
+    fixes = [f.fix for f in resume_check(fx["checkpoint_path"], cfg, 2, ep=1).findings if f.fix]
+    assert any("--universal --ep 1 " in f for f in fixes), fixes
+    fixes = [f.fix for f in resume_check(fx["checkpoint_path"], cfg, 2, ep=2).findings if f.fix]
+    assert fixes and all("--ep" not in f for f in fixes if "--universal" in f), fixes

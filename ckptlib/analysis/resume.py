@@ -143,8 +143,10 @@ def target_from_config(config: dict, world_size: int, tp: int = 1, pp: int = 1, 
 # ============================================================================================ the rules
 def _reshard(ck: Checkpoint, t: Target, universal: bool = False) -> str:
     where = ck.location.save_dir
-    if universal:
-        return f"ckpt reshard {where} OUT --universal   (then load OUT with \"checkpoint\": {{\"load_universal\": true}})"
+    if universal:  # an MoE universal folder is for one expert-parallel size (docs/reshard.md)
+        ep = f" --ep {t.ep}" if ck.num_experts and t.ep != ck.mesh.ep else ""
+        return (f"ckpt reshard {where} OUT --universal{ep}   (then load OUT with \"checkpoint\": "
+                "{\"load_universal\": true})")
     return f"ckpt reshard {where} OUT --world-size {t.dp * t.sp}   (then load OUT)"
 
 
