@@ -149,7 +149,7 @@ def _cmd_reshard(args: argparse.Namespace) -> int:
                             pp_tied=parse_tied(args.pp_tied) if args.pp_tied else None, tag=args.tag,
                             overwrite=args.overwrite, workers=args.workers, tp_rules=args.tp_rules,
                             hf_files=args.hf_files, sync=args.sync, gpu_memory=args.gpu_memory,
-                            verify_crc=args.verify_crc)
+                            verify_crc=args.verify_crc, model_config=args.model_config)
 
     return _plan_and_run(args, make_plan, "reshard")
 
@@ -268,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp-tied", action="append", metavar="KEY:I,J",
                    help="every layer using the tied module KEY (a TiedLayerSpec use with forward_fn writes no file); "
                         "repeat for several keys")
+    p.add_argument("--model-config", metavar="CONFIG.json",
+                   help="an AutoTP checkpoint's HF model config (default: config.json beside the tag folders): "
+                        "AutoTP cuts attention by its key-value heads at another --tp")
     p.add_argument("--gpu-memory", metavar="SIZE",
                    help="with --plan: compare each rank's training memory at the new mesh with a GPU of this size, "
                         "e.g. 80GB")

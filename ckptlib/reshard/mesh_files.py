@@ -120,7 +120,7 @@ class MeshZero3Writer(Zero3Writer):
 
 
 def zero3_model_states(template: dict, ts: TargetSet, model: TargetModel, world_size: int, shards: ShardRanges,
-                       param_shapes: list, info: Optional[dict] = None) -> dict:
+                       param_shapes: list, info: Optional[dict] = None, extra: Optional[dict] = None) -> dict:
     """``{file name: tree}`` of target set ``ts``'s ZeRO-3 model-states files, one per data rank: the
     source's tree with the new sizes, ``param_shapes`` and module (parameters as the empty placeholders
     ZeRO-3 saves, buffers cut from the source's), the tied names on rank 0 only, as DeepSpeed saves them."""
@@ -140,6 +140,7 @@ def zero3_model_states(template: dict, ts: TargetSet, model: TargetModel, world_
         repl["buffer_names"] = ts.buffer_names
     if info is not None:
         repl["universal_checkpoint_info"] = info
+    repl.update(extra or {})
     fragments = template.get("frozen_param_fragments")
     if fragments is not None:
         repl["frozen_param_fragments"] = type(fragments)()
@@ -198,10 +199,10 @@ def stage0_optimizer(template: dict, ts: TargetSet, shards: ShardRanges, keys: l
 
 def model_states_tree(template: dict, ts: TargetSet, model: TargetModel, *, pipeline: bool, dp: int,
                       shards: ShardRanges, param_shapes: Optional[list], optimizer: Any = None,
-                      info: Optional[dict] = None) -> dict:
+                      info: Optional[dict] = None, extra: Optional[dict] = None) -> dict:
     """The model-states file of target set ``ts`` from a source model-states tree ``template``: the sizes
     of the new mesh, this set's ``param_shapes`` and buffers, its module (outside pipelines), and the
-    ZeRO-0 ``optimizer`` when given."""
+    ZeRO-0 ``optimizer`` when given (``extra``: further top-level entries replaced)."""
     mesh = model.mesh
     repl: dict = {"dp_world_size": dp, "mp_world_size": mesh.pp * mesh.tp}
     if "checkpoint_parallel_dimensions" in template:
@@ -216,6 +217,7 @@ def model_states_tree(template: dict, ts: TargetSet, model: TargetModel, *, pipe
         repl["optimizer"] = optimizer
     if info is not None:
         repl["universal_checkpoint_info"] = info
+    repl.update(extra or {})
     out = replace(template, **repl)
     if info is not None and "universal_checkpoint_info" not in out:
         out["universal_checkpoint_info"] = info

@@ -25,6 +25,7 @@ from ..deepspeed.join import PIPELINE
 from ..errors import UnsupportedCheckpointError
 from ..mesh import Mesh
 from ..plan import CopyFile
+from .autotp import autotp_target
 from .footprint import footprint
 from .mesh_files import (MeshZero3Writer, MeshZero12Writer, ShardRanges, layer_file_tree, model_states_tree,
                          stage0_optimizer, zero3_model_states)
@@ -115,9 +116,11 @@ def _rules_info(ck: Checkpoint, rules: Optional[SplitRules]) -> Optional[dict]:
 
 def plan_mesh_files(ck: Checkpoint, mesh: Mesh, *, tp_rules: Optional[SplitRules] = None,
                     pp_partition: Optional[str] = None, pp_layers: Optional[int] = None,
-                    pp_tied: Optional[dict] = None, hf_files: bool = True) -> tuple[list, list, list, list, list]:
+                    pp_tied: Optional[dict] = None, hf_files: bool = True,
+                    model_config=None) -> tuple[list, list, list, list, list]:
     """``(files, notes, checks, folders, footprints)`` of ``ck`` resharded to ``mesh`` (see the module docstring;
-    ``footprints``: each target set's training memory per rank, :mod:`ckptlib.reshard.footprint`)."""
+    ``footprints``: each target set's training memory per rank, :mod:`ckptlib.reshard.footprint`;
+    ``model_config``: the HF model config an AutoTP checkpoint is cut by, :mod:`ckptlib.reshard.autotp`)."""
     _check_supported(ck, mesh)
     rules = tp_rules if tp_rules is not None else ck.tp_rules
     if ck.mesh.tp == 1 and mesh.tp > 1 and rules is None:
@@ -126,7 +129,8 @@ def plan_mesh_files(ck: Checkpoint, mesh: Mesh, *, tp_rules: Optional[SplitRules
                                          "which tensors are replicated, row parallel, vocabularies)")
     pipeline = ck.kind == PIPELINE
     stages = _stage_plan(ck, mesh, rules, pp_partition, pp_layers, pp_tied) if pipeline else None
-    model = build_target(ck, mesh, rules, stages)
+    autotp = autotp_target(ck, mesh.tp, model_config) if mesh.tp != ck.mesh.tp else None
+    model = build_target(ck, mesh, rules, stages, autotp)
     notes = list(stages.notes if stages else [])
     tag = ck.location.tag
     shards = ShardRanges(ck)
@@ -136,6 +140,13 @@ def plan_mesh_files(ck: Checkpoint, mesh: Mesh, *, tp_rules: Optional[SplitRules
     template_model = template_set.model_states_file().obj
     recorded = template_model.get("universal_checkpoint_info")
     info = _rules_info(ck, rules) if recorded is None and mesh.tp > 1 else None
+    extra = None
+    if autotp is not None:  # the affine_map and autotp_size AutoTP records at the new size
+        info = autotp.info(model, mesh.tp)
+        tp_cfg = dict(ck.ds_config.get("tensor_parallel") or {}, autotp_size=mesh.tp)
+        extra = {"ds_config": dict(ck.ds_config, tensor_parallel=tp_cfg)}
+        notes.append(f"AutoTP cut for {mesh.tp} tensor ranks by {autotp.geometry.kv_heads} key-value heads "
+                     f"({autotp.geometry.origin}); affine_map rewritten")
     stage0_template = template_model.get("optimizer") if ck.flavor == NO_ZERO else None
     keys = list(ck.optimizer.state_keys) if ck.optimizer else []
     if ck.flavor == NO_ZERO and isinstance(stage0_template, dict):
@@ -148,18 +159,18 @@ def plan_mesh_files(ck: Checkpoint, mesh: Mesh, *, tp_rules: Optional[SplitRules
         if ck.flavor == NO_ZERO:
             opt = stage0_optimizer(stage0_template, ts, shards, keys) if isinstance(stage0_template, dict) else None
             tree = model_states_tree(template_model, ts, model, pipeline=pipeline, dp=mesh.dp, shards=shards,
-                                     param_shapes=None, optimizer=opt, info=info)
+                                     param_shapes=None, optimizer=opt, info=info, extra=extra)
             files.append(trees.make(f"{tag}/{fnames.model_states_name(mp)}", "model_states", tree))
             continue
         if ck.zero_stage == 3:
             writer = MeshZero3Writer(template_set, ts, mesh.dp, shards, sub_group_size(template_set))
             for name, tree in zero3_model_states(template_model, ts, model, mesh.dp, shards, writer.param_shapes(),
-                                                 info).items():
+                                                 info, extra).items():
                 files.append(trees.make(f"{tag}/{name}", "model_states", tree, fnames.classify(name).dp_rank))
         else:
             writer = MeshZero12Writer(template_set, ts, mesh.dp, shards)
             tree = model_states_tree(template_model, ts, model, pipeline=pipeline, dp=mesh.dp, shards=shards,
-                                     param_shapes=writer.param_shapes(), info=info)
+                                     param_shapes=writer.param_shapes(), info=info, extra=extra)
             files.append(trees.make(f"{tag}/{fnames.model_states_name(mp)}", "model_states", tree))
         for r in range(mesh.dp):
             name, obj = writer.optim_states(r)

@@ -102,7 +102,8 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
                  ep: Optional[int] = None, pp_partition: Optional[str] = None, pp_layers: Optional[int] = None,
                  pp_tied: Optional[dict] = None, tag: Optional[str] = None, overwrite: bool = False,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, workers: Optional[int] = None, tp_rules=None,
-                 hf_files: bool = True, sync: bool = True, gpu_memory=None, verify_crc: bool = False) -> ReshardPlan:
+                 hf_files: bool = True, sync: bool = True, gpu_memory=None, verify_crc: bool = False,
+                 model_config=None) -> ReshardPlan:
     """Plan rewriting a ZeRO-1/2/3 checkpoint for ``world_size`` data-parallel ranks (metadata only), and
     for ``tp`` tensor-parallel ranks and ``pp`` pipeline stages (unnamed sizes are kept).
 
@@ -129,6 +130,10 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
     writing to the kernel after the run (as DeepSpeed's own saving does; see :class:`~ckptlib.plan.Plan`).
     ``gpu_memory`` (bytes, or ``"80GB"``): the plan compares each rank's training memory at the new mesh
     (model states, :mod:`ckptlib.reshard.footprint`) with it.
+
+    ``model_config``: an AutoTP checkpoint's HF model config (``config.json``, its folder, or the dict; default:
+    the ``config.json`` beside the tag folders), which says how AutoTP cuts it at another tensor size above 1
+    (:mod:`ckptlib.reshard.autotp`).
 
     ``verify_crc``: verify the CRC-32 of every zip member of the tag folder's torch files before writing
     (one more read of the checkpoint; a mismatch is refused, naming the file and member).
@@ -161,7 +166,7 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
         given = tp_rules if isinstance(tp_rules, SplitRules) or tp_rules is None else load_rules(tp_rules)
         files, notes, checks, folders, prints = plan_mesh_files(
             ck, mesh, tp_rules=given or ck.tp_rules, pp_partition=pp_partition, pp_layers=pp_layers, pp_tied=pp_tied,
-            hf_files=hf_files)
+            hf_files=hf_files, model_config=model_config)
         return ReshardPlan(source=ck.source_ref(), out=Path(out).expanduser().resolve(), world_size=world_size,
                            files=files, finals=[TextFile("latest", ck.location.tag, kind="latest")], folders=folders,
                            chunk_bytes=chunk_bytes, overwrite=overwrite, sync=sync, notes=notes, checks=checks,

@@ -6,7 +6,8 @@ un-parallelised tensor, a padded vocabulary with its padding rows) is cut again:
 
 - tensor parallel: by the split rules (the source's roles, or ``--tp-rules`` when the source records none):
   replicated tensors whole on every tensor rank, column-parallel ones (and vocabularies) along dim 0,
-  row-parallel ones along dim 1, each into equal pieces (refused where the new size does not divide);
+  row-parallel ones along dim 1, each into equal pieces (refused where the new size does not divide); what an
+  AutoTP affine_map places, as AutoTP would cut it at the new size (:mod:`ckptlib.reshard.autotp`);
 - pipeline: each layer to the stage the new partition gives it (:mod:`ckptlib.reshard.stages`), a tied
   module to every stage that uses it; a stage's tensors in its module's order (tied modules first, then
   its layers), its optimizer groups those of the source (matched by their hyper-parameters, so that a
@@ -96,8 +97,9 @@ def _refuse(ck: Checkpoint, why: str, hint: Optional[str] = None):
     raise UnsupportedCheckpointError(why, path=ck.location.tag_dir, hint=hint)
 
 
-def split_of(ck: Checkpoint, name: str, rules: Optional[SplitRules], tp: int, buffer: bool) -> tuple:
-    """``(dim, sizes)`` of tensor ``name`` at ``tp`` tensor ranks (``dim`` None: replicated)."""
+def split_of(ck: Checkpoint, name: str, rules: Optional[SplitRules], tp: int, buffer: bool, autotp=None) -> tuple:
+    """``(dim, sizes)`` of tensor ``name`` at ``tp`` tensor ranks (``dim`` None: replicated; ``autotp``: the
+    :class:`~ckptlib.reshard.autotp.AutoTPTarget` that cuts what an AutoTP affine_map places)."""
     shape = ck.view.full_shape(name, padded=True)
     if tp == 1:
         return None, (shape[0],) if shape else ()
@@ -107,8 +109,10 @@ def split_of(ck: Checkpoint, name: str, rules: Optional[SplitRules], tp: int, bu
         if buffer and role == COLUMN and not any(re.match(p, name) for p in (rules.row + rules.vocabulary)):
             role = REPLICATED  # a buffer no pattern names: one value, on every rank (as when joining)
     if role == "affine":
-        _refuse(ck, f"{name} is placed by an AutoTP affine_map; resharding AutoTP to another tensor size than 1 "
-                    "is not supported yet")
+        if autotp is None:
+            _refuse(ck, f"{name} is placed by an AutoTP affine_map, but the checkpoint's universal_checkpoint_info "
+                        f"holds none ckptlib can re-cut for {tp} tensor ranks")
+        return autotp.split(name, tp)
     if role is None:
         _refuse(ck, f"nothing says how {name} would be split over {tp} tensor ranks: the checkpoint has no tensor "
                     "axis and no rules were given", hint="pass --tp-rules FILE (the keys of DeepSpeed's "
@@ -171,10 +175,10 @@ def pipeline_layers(ck: Checkpoint) -> dict:
     return dict(sorted(out.items()))
 
 
-def build_target(ck: Checkpoint, mesh: Mesh, rules: Optional[SplitRules], stages: Optional[PipelinePlan]
-                 ) -> TargetModel:
+def build_target(ck: Checkpoint, mesh: Mesh, rules: Optional[SplitRules], stages: Optional[PipelinePlan],
+                 autotp=None) -> TargetModel:
     """The target model of ``ck`` at ``mesh`` (``rules``: the split rules when the source records none;
-    ``stages``: the pipeline partition at the new size, for a pipeline)."""
+    ``stages``: the pipeline partition at the new size, for a pipeline; ``autotp``: see :func:`split_of`)."""
     view = ck.view
     if any(not p.trainable for p in view.parameters if not p.tied_to):
         _refuse(ck, "frozen parameters are not carried through a reshard that changes tensor or pipeline sizes yet",
@@ -201,7 +205,7 @@ def build_target(ck: Checkpoint, mesh: Mesh, rules: Optional[SplitRules], stages
             groups: list = [[] for _ in sigs]
             for n in names:
                 buffer = n in buffers
-                dim, sizes = split_of(ck, n, rules, mesh.tp, buffer)
+                dim, sizes = split_of(ck, n, rules, mesh.tp, buffer, autotp)
                 idx, key = layer_of.get(n, (None, None))
                 p = params.get(n)
                 tt = TargetTensor(n, view.full_shape(n, padded=True), dim, sizes, t, trainable=not buffer,
