@@ -104,6 +104,9 @@ def split_of(ck: Checkpoint, name: str, rules: Optional[SplitRules], tp: int, bu
     if tp == 1:
         return None, (shape[0],) if shape else ()
     role = ck.view.roles.get(name)
+    owner = next((p.tied_to for p in ck.view.parameters if p.name == name and p.tied_to), None) if role is None else None
+    if owner is not None and ck.view.roles.get(owner) == "affine":
+        return split_of(ck, owner, rules, tp, buffer, autotp)  # a tied alias (the head of a tied embedding): its owner's cut
     if role is None:
         role = rules.rule(name) if rules is not None else None
         if buffer and role == COLUMN and not any(re.match(p, name) for p in (rules.row + rules.vocabulary)):
