@@ -330,7 +330,8 @@ def autotp_loads(parallel_fixtures, tmp_path_factory):
         out = work / name
         ckptlib.reshard(fx["checkpoint_path"], out, fx["dp"], tp=1)
         jobs.setdefault((1, fx["dp"]), []).append({"name": name, "fixture_dir": str(fx["path"]),
-                                                   "checkpoint_dir": str(out), "tag": None, "tp": 1})
+                                                   "checkpoint_dir": str(out), "tag": None, "tp": 1,
+                                                   "save_to": str(work / f"{name}-saved")})
         jobs.setdefault((fx["tp"], fx["world"]), []).append({"name": f"{name}/original", "fixture_dir": str(fx["path"])})
     fx = parallel_fixtures[AUTOTP_CASES[0]]
     uni = to_universal(fx["path"], work / "ds")
@@ -339,6 +340,7 @@ def autotp_loads(parallel_fixtures, tmp_path_factory):
     results = {}
     for (tp, world), js in sorted(jobs.items()):
         results.update(run_load_checks(js, world, work / f"tp{tp}-w{world}"))
+    results["work"] = work
     return results
 
 
@@ -347,6 +349,14 @@ def test_autotp_tp1_resumes_on_the_plain_model_exactly(autotp_loads, parallel_fi
     fx = parallel_fixtures[name]
     res, base = autotp_loads[name], autotp_loads[f"{name}/original"]
     assert "error" not in res and "error" not in base, (res.get("error"), base.get("error"))
+    # the files the plain engine writes: the same names, no AutoTP universal_checkpoint_info, no tensor_parallel
+    work = autotp_loads["work"]
+    ours = sorted(p.name for p in (work / name / fx["tag"]).iterdir())
+    assert ours == res["saved_files"]
+    for folder in (work / name / fx["tag"], work / f"{name}-saved" / "saved"):
+        first = sorted(p for p in folder.iterdir() if p.name.endswith("model_states.pt"))[0]
+        states = torch.load(first, map_location="cpu", weights_only=False)
+        assert "universal_checkpoint_info" not in states and "tensor_parallel" not in states["ds_config"], folder
     ref = torch.load(fx["path"] / "reference.pt", weights_only=True)
     for n, want in ref["params"].items():
         assert _same(res["loaded"]["params"][n], want), n

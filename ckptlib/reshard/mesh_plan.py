@@ -31,7 +31,7 @@ from .mesh_files import (MeshZero3Writer, MeshZero12Writer, ShardRanges, layer_f
                          stage0_optimizer, zero3_model_states)
 from .stages import plan_stages
 from .target import build_target, pipeline_layers, split_of
-from .trees import TreeFiles, batch_note, client_files, converter_scripts, sub_group_size
+from .trees import DROP, TreeFiles, batch_note, client_files, converter_scripts, sub_group_size
 
 
 def _refuse(ck: Checkpoint, why: str, hint: Optional[str] = None):
@@ -147,6 +147,12 @@ def plan_mesh_files(ck: Checkpoint, mesh: Mesh, *, tp_rules: Optional[SplitRules
         extra = {"ds_config": dict(ck.ds_config, tensor_parallel=tp_cfg)}
         notes.append(f"AutoTP cut for {mesh.tp} tensor ranks by {autotp.geometry.kv_heads} key-value heads "
                      f"({autotp.geometry.origin}); affine_map rewritten")
+    elif mesh.tp == 1 and isinstance(recorded, dict) and (recorded.get("affine_map") or {}).get("params"):
+        # the plain model (no AutoTP): its engine records neither AutoTP's universal_checkpoint_info nor its size
+        extra = {"universal_checkpoint_info": DROP,
+                 "ds_config": {k: v for k, v in ck.ds_config.items() if k != "tensor_parallel"}}
+        notes.append("AutoTP's universal_checkpoint_info and tensor_parallel config left out: the un-split model "
+                     "resumes without AutoTP")
     stage0_template = template_model.get("optimizer") if ck.flavor == NO_ZERO else None
     keys = list(ck.optimizer.state_keys) if ck.optimizer else []
     if ck.flavor == NO_ZERO and isinstance(stage0_template, dict):

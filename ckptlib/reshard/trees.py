@@ -21,10 +21,16 @@ from ..plan import CopyFile, TreeFile
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's default zero_optimization.sub_group_size
 
 
+#: a value for :func:`replace` that leaves its key out
+DROP = object()
+
+
 def replace(d: dict, **new) -> dict:
-    """A copy of ``d`` (same type, same key order) with some values replaced."""
+    """A copy of ``d`` (same type, same key order) with some values replaced (those given as :data:`DROP`: left out)."""
     out = type(d)()
     for k, v in d.items():
+        if k in new and new[k] is DROP:
+            continue
         out[k] = new[k] if k in new else v
     return out
 
@@ -147,5 +153,5 @@ def batch_note(ck: Checkpoint, world_size: int) -> Optional[str]:
             f"pick micro-batch x accumulation x {world_size} = the global batch you want (the data order changes)")
 
 
-__all__ = ["client_files", "batch_note", "DEFAULT_SUB_GROUP_SIZE", "replace", "streamed", "copied", "to_ranges",
+__all__ = ["client_files", "batch_note", "DEFAULT_SUB_GROUP_SIZE", "DROP", "replace", "streamed", "copied", "to_ranges",
            "optim_prefix", "tree_file", "TreeFiles", "sub_group_size", "converter_scripts"]
