@@ -1,4 +1,4 @@
-"""AutoTP tp 2 -> 4: an AutoTP tp-2 checkpoint resharded to tp 4 (dp 1) and loaded by a real AutoTP tp-4 engine
+"""AutoTP tp 2 -> 4 (and 3): an AutoTP tp-2 checkpoint resharded to tp 4 (dp 1) and loaded by a real AutoTP tp-4 engine
 (``engine.load_checkpoint``, no universal mode; tests/fixtures/hf_parallel/load_check.py): exact fp32 masters,
 both Adam moments, 16-bit weights and step against the fixture's reference (gathered full tensors); one more
 training step like DeepSpeed resuming the original at tp 2; the files named as the tp-4 engine names them and
@@ -6,7 +6,8 @@ the rewritten ``universal_checkpoint_info`` / ``affine_map`` equal to the one it
 saves again). AutoTP's split rule is checked against DeepSpeed's own at many sizes; what AutoTP cannot hold
 is refused before anything is written.
 
-Two launches: every tp-4 load in one of 4 ranks, the originals in one of 2.
+Three launches: every tp-4 load in one of 4 ranks, the tp-3 ones (AutoTP's uneven head split) in one of 3, the
+originals in one of 2.
 """
 from __future__ import annotations
 
@@ -23,10 +24,11 @@ import ckptlib
 from ckptlib.deepspeed.autotp import AutoTPGeometry
 
 ROOT = Path(__file__).resolve().parents[1]
-#: tp-2 dp-1 sources resharded to tp 4 dp 1: ZeRO-1/2/3, bf16 and fp32, a tied (vocabulary-parallel) head
-CASES = ["autotp_tp2_dp1_z1_bf16", "autotp_tp2_dp1_z3_bf16", "autotp_tp2_dp1_z2_fp32", "autotp_tp2_dp1_z2_bf16_tied"]
-TP = 4
-#: as in tests/test_mesh_reshard.py: a bf16 step after a tensor-size change is computed with other roundings
+#: case -> (tp-2 dp-1 source, target tp): tp 4 at ZeRO-1/2/3, bf16 and fp32, a tied (vocabulary-parallel) head;
+#: tp 3, where AutoTP gives the 4 key-value heads out unevenly (2/1/1: q_proj 32/16/16 rows)
+CASES = {f"{name}@tp{tp}": (name, tp) for name, tp in (
+    ("autotp_tp2_dp1_z1_bf16", 4), ("autotp_tp2_dp1_z3_bf16", 4), ("autotp_tp2_dp1_z2_fp32", 4),
+    ("autotp_tp2_dp1_z2_bf16_tied", 4), ("autotp_tp2_dp1_z1_bf16", 3), ("autotp_tp2_dp1_z2_fp32", 3))}
 TP_CHANGE_TOLERANCE = 0.1
 #: except the key projection's bias: softmax does not see it (q.b_k is the same for every key), so its true
 #: gradient is 0 and its bf16 gradient is rounding noise that Adam scales to a full step; at tp 4 the noise is
@@ -51,23 +53,27 @@ def _states(folder: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def tp4(parallel_fixtures, tmp_path_factory):
+    """Every case resharded and loaded at its tp (one launch per tp), DeepSpeed resuming the originals at tp 2 (one
+    launch), DeepSpeed's own route (ds_to_universal, then load_universal) in the target's launch."""
     from tests.fixtures.hf_parallel.load_check import run_load_checks
     from tests.fixtures.parallel.check import to_universal
 
     work = tmp_path_factory.mktemp("autotp-tp4")
     jobs: dict = {}
-    outs = {}
-    for name in CASES:
+    outs, universal = {}, {}
+    for case, (name, tp) in CASES.items():
         fx = parallel_fixtures[name]
-        out = work / name
-        ckptlib.reshard(fx["checkpoint_path"], out, 1, tp=TP, model_config=_model_config(fx, work / f"{name}-config"))
-        outs[name] = out
-        jobs.setdefault((TP, TP), []).append({"name": name, "fixture_dir": str(fx["path"]), "checkpoint_dir": str(out),
-                                              "tag": None, "tp": TP, "save_to": str(work / f"{name}-saved")})
-        jobs.setdefault((fx["tp"], fx["world"]), []).append({"name": f"{name}/original", "fixture_dir": str(fx["path"])})
-        uni = to_universal(fx["path"], work / "ds", in_process=True)  # DeepSpeed's own route, loaded at tp 4
-        jobs[(TP, TP)].append({"name": f"{name}/ds-route", "fixture_dir": str(fx["path"]), "checkpoint_dir": str(uni),
-                               "tag": None, "universal": True, "tp": TP})
+        out = work / case
+        ckptlib.reshard(fx["checkpoint_path"], out, 1, tp=tp, model_config=_model_config(fx, work / f"{case}-config"))
+        outs[case] = out
+        jobs.setdefault((tp, tp), []).append({"name": case, "fixture_dir": str(fx["path"]), "checkpoint_dir": str(out),
+                                              "tag": None, "tp": tp, "save_to": str(work / f"{case}-saved")})
+        if name not in universal:
+            jobs.setdefault((fx["tp"], fx["world"]), []).append({"name": f"{name}/original",
+                                                                 "fixture_dir": str(fx["path"])})
+            universal[name] = to_universal(fx["path"], work / "ds", in_process=True)
+        jobs[(tp, tp)].append({"name": f"{case}/ds-route", "fixture_dir": str(fx["path"]),
+                               "checkpoint_dir": str(universal[name]), "tag": None, "universal": True, "tp": tp})
     results = {}
     for (tp, world), js in sorted(jobs.items()):
         results.update(run_load_checks(js, world, work / f"tp{tp}-w{world}"))
@@ -78,13 +84,14 @@ def _same(a, b) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_a_tp4_engine_loads_the_resharded_checkpoint_exactly(tp4, parallel_fixtures, name):
+@pytest.mark.parametrize("case", CASES)
+def test_an_autotp_engine_at_the_new_tp_loads_the_resharded_checkpoint_exactly(tp4, parallel_fixtures, case):
     results, _, _ = tp4
+    name, tp = CASES[case]
     fx = parallel_fixtures[name]
-    res = results[name]
+    res = results[case]
     assert "error" not in res, (res.get("phase"), res.get("error"))
-    assert res["par"] == TP and res["dp"] == 1
+    assert res["par"] == tp and res["dp"] == 1
     ref = torch.load(fx["path"] / "reference.pt", weights_only=True)
     got = res["loaded"]
     for n, want in ref["params"].items():
@@ -97,12 +104,13 @@ def test_a_tp4_engine_loads_the_resharded_checkpoint_exactly(tp4, parallel_fixtu
     assert got["step"] == ref["step"]
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_one_more_step_at_tp4_matches_resuming_the_original(tp4, parallel_fixtures, name):
+@pytest.mark.parametrize("case", CASES)
+def test_one_more_step_matches_resuming_the_original(tp4, parallel_fixtures, case):
     """fp32: max |diff| <= max(1e-6, 1% of the update); bf16: per parameter ||diff|| <= 0.1 ||update||."""
     results, _, _ = tp4
+    name, _tp = CASES[case]
     fx = parallel_fixtures[name]
-    res, base = results[name], results[f"{name}/original"]
+    res, base = results[case], results[f"{name}/original"]
     assert "error" not in res and "error" not in base, (res.get("error"), base.get("error"))
     bad = {}
     for n, want in base["after_step"]["params"].items():
@@ -121,15 +129,16 @@ def test_one_more_step_at_tp4_matches_resuming_the_original(tp4, parallel_fixtur
     assert res["after_step"]["step"] == base["after_step"]["step"]
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_one_more_step_at_tp4_is_deepspeeds_own_routes_bit_for_bit(tp4, name):
+@pytest.mark.parametrize("case", CASES)
+def test_one_more_step_is_deepspeeds_own_routes_bit_for_bit(tp4, case):
     """DeepSpeed's own route (ds_to_universal, then load_universal in the tp-4 engine) loads the same values and,
     at ZeRO-1/2, takes the same step bit for bit: what differs from resuming at tp 2 is tp 4's arithmetic, not
     the files. At ZeRO-3 DeepSpeed's route ends the step at Adam step 4 instead of 3 (its universal loader's step
     counter for ZeRO-3 sub-groups), which moves the small replicated tensors by 0.09 of their update; ours ends
     at 3 like the original."""
     results, _, _ = tp4
-    ours, ds = results[name], results[f"{name}/ds-route"]
+    name, _tp = CASES[case]
+    ours, ds = results[case], results[f"{case}/ds-route"]
     assert "error" not in ours and "error" not in ds, (ours.get("error"), ds.get("error"))
     for n, want in ds["loaded"]["params"].items():
         assert torch.equal(ours["loaded"]["params"][n], want), n
@@ -141,17 +150,18 @@ def test_one_more_step_at_tp4_is_deepspeeds_own_routes_bit_for_bit(tp4, name):
         assert torch.equal(ours["after_step"]["params"][n], want), n
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_files_and_affine_map_are_those_a_tp4_engine_writes(tp4, name):
+@pytest.mark.parametrize("case", CASES)
+def test_files_and_affine_map_are_those_the_engine_at_the_new_tp_writes(tp4, case):
     results, outs, work = tp4
-    res = results[name]
+    tp = CASES[case][1]
+    res = results[case]
     assert "error" not in res, res.get("error")
-    ours = sorted(p.name for p in (outs[name] / "global_step2").iterdir())
+    ours = sorted(p.name for p in (outs[case] / "global_step2").iterdir())
     assert ours == res["saved_files"]
-    mine, theirs = _states(outs[name] / "global_step2"), _states(work / f"{name}-saved" / "saved")
+    mine, theirs = _states(outs[case] / "global_step2"), _states(work / f"{case}-saved" / "saved")
     assert mine["universal_checkpoint_info"] == theirs["universal_checkpoint_info"]
     assert mine["universal_checkpoint_info"]["affine_map"]["params"]  # not vacuous
-    assert mine["ds_config"]["tensor_parallel"] == theirs["ds_config"]["tensor_parallel"] == {"autotp_size": TP}
+    assert mine["ds_config"]["tensor_parallel"] == theirs["ds_config"]["tensor_parallel"] == {"autotp_size": tp}
     assert (mine["mp_world_size"], mine["dp_world_size"]) == (theirs["mp_world_size"], theirs["dp_world_size"])
 
 
@@ -185,7 +195,7 @@ def _cli(*args):
 
 @pytest.mark.parametrize("case", ["more-ranks-than-kv-heads", "no-model-config", "wrong-model-config"])
 def test_what_autotp_cannot_hold_is_refused_before_anything_is_written(parallel_fixtures, tmp_path, case):
-    fx = parallel_fixtures[CASES[0]]
+    fx = parallel_fixtures["autotp_tp2_dp1_z1_bf16"]
     out = tmp_path / "out"
     cfg = _model_config(fx, tmp_path / "cfg")
     if case == "more-ranks-than-kv-heads":
