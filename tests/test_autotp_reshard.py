@@ -214,3 +214,16 @@ def test_what_autotp_cannot_hold_is_refused_before_anything_is_written(parallel_
     for w in words:
         assert w in err, (w, err)
     assert not out.exists()
+
+
+def test_the_config_json_beside_the_tag_folders_is_used(parallel_fixtures, tmp_path):
+    """Where the HF Trainer saves it (checkpoint-N/config.json beside global_stepN): no --model-config needed."""
+    import shutil
+
+    fx = parallel_fixtures["autotp_tp2_dp1_z1_bf16"]
+    ckpt = tmp_path / "checkpoint-2"
+    shutil.copytree(fx["checkpoint_path"], ckpt)
+    _model_config(fx, ckpt)
+    code, stdout, err = _cli("reshard", ckpt, tmp_path / "out", "--tp", "4", "--world-size", "1", "--plan")
+    assert code == 0, stdout + err
+    assert f"AutoTP cut for 4 tensor ranks by 4 key-value heads ({ckpt / 'config.json'})" in stdout, stdout
