@@ -14,6 +14,9 @@ from typing import Iterable, Optional
 from ..errors import IncompleteCheckpointError
 from .torchzip.reader import GLOBAL_STATS, ReadStats
 
+#: buffers one ``preadv`` takes at most (Linux's ``IOV_MAX``)
+IOV_MAX = getattr(os, "IOV_MAX", 1024) or 1024
+
 
 def stamp(path: str) -> tuple[str, int, int]:
     """``(path, size, mtime_ns)`` of a file: what :func:`check_unchanged` compares."""
@@ -34,6 +37,16 @@ def check_unchanged(stamps: Iterable[tuple[str, int, int]]) -> None:
             raise IncompleteCheckpointError(
                 f"this file changed since the plan was made ({size} -> {now[1]} bytes)", path=path,
                 hint="make the plan again; ckptlib never writes into a checkpoint, something else did")
+
+
+def _pread_all(fd: int, path: str, offset: int, target: memoryview) -> None:
+    done, nbytes = 0, target.nbytes
+    while done < nbytes:
+        n = os.preadv(fd, [target[done:]], offset + done)
+        if n <= 0:
+            raise IncompleteCheckpointError("unexpected end of file (the file shrank or is truncated)",
+                                            path=path, hint="copy the file again or use another tag")
+        done += n
 
 
 class SourceFiles:
@@ -62,14 +75,27 @@ class SourceFiles:
 
     def read_into(self, path: str, offset: int, target: memoryview) -> None:
         """Fill ``target`` with the bytes of ``path`` from ``offset``."""
-        fd, done, nbytes = self.fd(path), 0, target.nbytes
-        while done < nbytes:
-            n = os.preadv(fd, [target[done:]], offset + done)
-            if n <= 0:
-                raise IncompleteCheckpointError("unexpected end of file (the file shrank or is truncated)",
-                                                path=path, hint="copy the file again or use another tag")
-            done += n
-        self.count(nbytes)
+        _pread_all(self.fd(path), path, offset, target)
+        self.count(target.nbytes)
+
+    def read_scattered(self, path: str, offset: int, targets: list) -> None:
+        """Fill the buffers ``targets`` in turn with the bytes of ``path`` from ``offset`` on (a scatter read:
+        one ``preadv`` per :data:`IOV_MAX` buffers), e.g. the rows of one tensor-parallel shard, which lie
+        back to back in their file, into every other row of a joined tensor."""
+        fd, pos = self.fd(path), offset
+        for a in range(0, len(targets), IOV_MAX):
+            views = targets[a:a + IOV_MAX]
+            want = sum(v.nbytes for v in views)
+            n = os.preadv(fd, views, pos)
+            if n < want:  # a short read (a signal, the end of the file): the rest buffer by buffer
+                done = 0
+                for v in views:
+                    if done + v.nbytes > n:
+                        skip = max(0, n - done)
+                        _pread_all(fd, path, pos + done + skip, v[skip:])
+                    done += v.nbytes
+            pos += want
+        self.count(pos - offset)
 
     def count(self, nbytes: int) -> None:
         """Account for bytes read outside :meth:`read_into` (copies inside the kernel)."""

@@ -197,18 +197,55 @@ def cast_bytes(src: memoryview, src_dtype: str, out: memoryview, dtype: str, buf
         dst.copy_(torch.frombuffer(src, dtype=torch_dtype(src_dtype), count=n))
 
 
+#: a same-dtype range at least this long goes file to file inside the kernel (``copy_from``) when the sink can;
+#: shorter ones (the rows of an interleaved tensor-parallel join, say) are gathered into one buffer with their
+#: neighbours and written at once: one write per chunk instead of a copy per piece
+KERNEL_COPY_MIN_BYTES = 256 * 2**10
+
+
 def _plan_chunks(ranges: Sequence, dtype: str, bufs: ChunkBuffers, direct: bool) -> list[tuple]:
     """The work of :func:`copy_ranges` as ``("zeros", n)``, ``("copy", range)`` (kernel copy) and
-    ``("read", range)`` (through the buffers) items, in output order, each at most one chunk."""
+    ``("read", (range, ...))`` items (ranges of one stored dtype read back to back into one buffer, at most
+    one chunk), in output order."""
     items: list[tuple] = []
+    gather: list = []
+    room = 0
+    steps: dict = {}  # stored dtype -> elements per chunk
+
+    def flush() -> None:
+        nonlocal room
+        if gather:
+            items.append(("read", tuple(gather)))
+            gather.clear()
+        room = 0
+
     for r in ranges:
         if isinstance(r, Zeros):
+            flush()
             step = bufs.elems(dtype)
             items += [("zeros", min(step, r.count - i)) for i in range(0, r.count, step)]
             continue
-        kind = "copy" if direct and r.dtype == dtype else "read"
-        step = max(1, bufs.chunk_bytes // r.itemsize) if kind == "copy" else bufs.elems(r.dtype, dtype)
-        items += [(kind, r.sub(i, min(step, r.count - i))) for i in range(0, r.count, step)]
+        if direct and r.dtype == dtype and r.nbytes >= KERNEL_COPY_MIN_BYTES:
+            flush()
+            step = max(1, bufs.chunk_bytes // r.itemsize)
+            items += [("copy", r.sub(i, min(step, r.count - i))) for i in range(0, r.count, step)]
+            continue
+        if gather and gather[0].dtype != r.dtype:
+            flush()
+        step = steps.get(r.dtype)
+        if step is None:
+            step = steps[r.dtype] = bufs.elems(r.dtype, dtype)
+        i = 0
+        while i < r.count:
+            if room == 0:
+                room = step
+            take = min(room, r.count - i)
+            gather.append(r if take == r.count else r.sub(i, take))
+            i += take
+            room -= take
+            if room == 0:
+                flush()
+    flush()
     return items
 
 
@@ -218,9 +255,11 @@ def copy_ranges(ranges: Sequence, dtype: str, sink, bufs: ChunkBuffers, files: S
     """Write the concatenation of ``ranges`` as ``dtype`` (a name) into ``sink``; returns the bytes written.
 
     ``sink`` has ``write(memoryview[, crc])`` and optionally ``copy_from(fd, offset, nbytes)``
-    (``can_copy``) and ``takes_crc``. With ``drop_cache`` the page-cache pages of each source range
-    are released once copied. ``cancel`` (anything with ``is_set()``) stops it at the next chunk.
-    Memory: the buffers ``bufs``; nothing per chunk.
+    (``can_copy``) and ``takes_crc``. Long same-dtype ranges go inside the kernel when the sink can; the
+    rest is read (in the read-ahead thread, short ranges gathered back to back into one buffer), cast
+    where the stored dtype differs, and written a chunk at a time. With ``drop_cache`` the page-cache
+    pages of each source range are released once copied. ``cancel`` (anything with ``is_set()``) stops
+    it at the next chunk. Memory: the buffers ``bufs``; nothing per chunk.
     """
     items = _plan_chunks(ranges, dtype, bufs, getattr(sink, "can_copy", False))
     reads = [i for i, it in enumerate(items) if it[0] == "read"]
@@ -230,9 +269,11 @@ def copy_ranges(ranges: Sequence, dtype: str, sink, bufs: ChunkBuffers, files: S
 
     def submit(k: int) -> None:  # start reading the k-th buffered chunk into slot k % 2
         if k < len(reads):
-            r = items[reads[k]][1]
-            ahead[reads[k]] = bufs.pool.submit(_read_chunk, files, r, bufs.read_view(r.dtype, r.count, k % 2),
-                                               want_crc and r.dtype == dtype)
+            gather = items[reads[k]][1]
+            src = gather[0].dtype
+            count = sum(r.count for r in gather)
+            ahead[reads[k]] = bufs.pool.submit(_read_gather, files, gather, bufs.read_view(src, count, k % 2),
+                                               want_crc and src == dtype)
 
     submit(0)
     k = total = 0
@@ -248,19 +289,23 @@ def copy_ranges(ranges: Sequence, dtype: str, sink, bufs: ChunkBuffers, files: S
                 files.count(r.nbytes)
                 nbytes = r.nbytes
             else:
-                r = it[1]
-                chunk, crc = ahead.pop(i).result()
-                if r.dtype != dtype:
-                    chunk = bufs.cast(chunk, r.dtype, dtype, r.count)
+                gather = it[1]
+                chunk, crc, spans = ahead.pop(i).result()
+                count = sum(r.count for r in gather)
+                if gather[0].dtype != dtype:
+                    chunk = bufs.cast(chunk, gather[0].dtype, dtype, count)
                 submit(k + 1)  # the read slot is free again once cast; else the other slot
                 if want_crc:
                     sink.write(chunk, crc)
                 else:
                     sink.write(chunk)
                 k += 1
-                nbytes = r.count * size
-            if drop_cache and it[0] != "zeros":
+                nbytes = count * size
+            if drop_cache and it[0] == "copy":
                 files.drop_cache(it[1].path, it[1].offset, it[1].nbytes)
+            elif drop_cache and it[0] == "read":
+                for span in spans:
+                    files.drop_cache(*span)
             progress(nbytes)
             total += nbytes
     finally:
@@ -269,10 +314,28 @@ def copy_ranges(ranges: Sequence, dtype: str, sink, bufs: ChunkBuffers, files: S
     return total
 
 
-def _read_chunk(files: SourceFiles, r: StoredRange, out: memoryview, crc: bool) -> tuple:
-    """Read range ``r`` into ``out`` (in the read-ahead thread); with ``crc``, its CRC-32 too."""
-    files.read_into(r.path, r.offset, out)
-    return out, (zlib.crc32(out) if crc else None)
+def _read_gather(files: SourceFiles, gather: Sequence, out: memoryview, crc: bool) -> tuple:
+    """Read the ranges ``gather`` back to back into ``out`` (in the read-ahead thread); returns ``out``, its
+    CRC-32 with ``crc`` (else None) and the ``(path, offset, nbytes)`` spans read. The ranges of one file
+    that continue each other there (the rows of a tensor-parallel shard, interleaved with another shard's
+    in ``out``) are one span, read by one scatter read."""
+    runs: dict[str, list] = {}  # path -> [[file offset, end, [buffers]], ...]
+    pos = 0
+    for r in gather:
+        n = r.nbytes
+        mine = runs.setdefault(r.path, [])
+        if mine and mine[-1][1] == r.offset:
+            mine[-1][1] += n
+            mine[-1][2].append(out[pos:pos + n])
+        else:
+            mine.append([r.offset, r.offset + n, [out[pos:pos + n]]])
+        pos += n
+    spans = []
+    for path, mine in runs.items():
+        for start, end, views in mine:
+            files.read_scattered(path, start, views)
+            spans.append((path, start, end - start))
+    return out, (zlib.crc32(out) if crc else None), spans
 
 
 def fill_bytes(ranges: Sequence, dtype: str, files: SourceFiles, out: memoryview,

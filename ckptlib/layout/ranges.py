@@ -120,11 +120,19 @@ def slice_ranges(ranges: Sequence[Range], start: int, count: int, starts: Option
     out: list[Range] = []
     first = max(0, bisect.bisect_right(starts, start) - 1) if starts else 0
     pos, end = (starts[first] if starts else 0), start + count
+    if ranges and start >= pos and end <= pos + ranges[first].count and count > 0:  # inside one range: the
+        r = ranges[first]  # common case (a row of a shard stored in one partition), without the walk
+        if isinstance(r, Zeros):
+            return [Zeros(count)]
+        return [r if count == r.count else
+                StoredRange(r.path, r.offset + (start - pos) * _size(r.dtype), r.dtype, count)]
     for i in range(first, len(ranges)):
         r = ranges[i]
         lo, hi = pos, pos + r.count
         a, b = max(lo, start), min(hi, end)
-        if a < b:
+        if a == lo and b == hi and a < b:
+            out.append(r)  # ranges are immutable: a whole one is shared, not copied
+        elif a < b:
             out.append(Zeros(b - a) if isinstance(r, Zeros) else r.sub(a - lo, b - a))
         pos = hi
         if pos >= end:

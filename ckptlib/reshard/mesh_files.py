@@ -32,6 +32,7 @@ class ShardRanges:
     def __init__(self, ck: Checkpoint):
         self.ck = ck
         self._full: dict = {}
+        self._recent: dict = {}  # (name, key, shard) -> (ranges, starts), the last few
 
     def full(self, name: str, key: Optional[str]) -> tuple:
         k = (name, key)
@@ -52,6 +53,19 @@ class ShardRanges:
         for start, count in runs:
             out += slice_ranges(ranges, start, count, starts)
         return coalesce(out)  # a shard whose rows lie one after the other in a source file: one range
+
+    def of_with_starts(self, t: TargetTensor, key: Optional[str] = None) -> tuple:
+        """:meth:`of` with its :func:`~ckptlib.layout.ranges.range_starts`, for slicing it many times (the
+        last few shards asked for are kept: the partitions of a tensor ask for it one after the other)."""
+        k = (t.name, t.full_shape, t.dim, t.sizes, t.index, key)
+        got = self._recent.get(k)
+        if got is None:
+            ranges = self.of(t, key)
+            got = (ranges, range_starts(ranges))
+            if len(self._recent) >= 8:
+                self._recent.pop(next(iter(self._recent)))
+            self._recent[k] = got
+        return got
 
     def dtype(self, t: TargetTensor, key: Optional[str]) -> str:
         ranges, _ = self.full(t.name, key)
@@ -82,8 +96,8 @@ class MeshZero12Writer(Zero12Writer):
             if seg.is_padding:
                 out.append(Zeros(seg.count))
                 continue
-            ranges = self.shards.of(self._by_name[seg.name], key)
-            out += slice_ranges(ranges, seg.param_start, seg.count)
+            ranges, starts = self.shards.of_with_starts(self._by_name[seg.name], key)
+            out += slice_ranges(ranges, seg.param_start, seg.count, starts)
         return out
 
     def feeds(self, rank: int) -> list:
