@@ -265,3 +265,33 @@ def test_cast_values_writes_what_torch_writes(src, dst):
     cast_values(src_np, src, out, dst)
     want_bits = want.view(torch.int16).numpy() if dst == "bfloat16" else want.numpy()
     assert out.tobytes() == want_bits.tobytes(), (src, dst)
+
+
+@pytest.mark.parametrize("pair", [("float32", "bfloat16"), ("float32", "float16"), ("float16", "bfloat16"),
+                                  ("bfloat16", "float32")])
+@pytest.mark.parametrize("n", [2 * (1 << 18), 2 * (1 << 18) + 1, (1 << 20) + 37])
+def test_a_long_cast_split_over_two_threads_writes_what_torch_writes(pair, n):
+    """ChunkBuffers.cast hands the second half of a long cast to the process's cast helper thread: the
+    halves meet at an element boundary and the bytes are torch's, whatever ``n``."""
+    from ckptlib.io.streaming import CAST_SPLIT_MIN, CastHelper, ChunkBuffers
+
+    helper = CastHelper.get()
+    if helper is None:
+        pytest.skip("one core (or no room for a thread): casts are not split here")
+    src, dst = pair
+    rng = np.random.default_rng(n)
+    bits = rng.integers(0, 2**32, size=n, dtype=np.uint64).astype(np.uint32)
+    if src != "float32":
+        bits = bits.astype(np.uint16)
+    bits[n // 2 - 2:n // 2 + 66] = bits[:68]  # the seam
+    bufs = ChunkBuffers(n * 4)
+    calls = []
+    submit = helper.pool.submit
+    helper.pool.submit = lambda *a: calls.append(a[0]) or submit(*a)
+    try:
+        got = np.frombuffer(bufs.cast(memoryview(bits).cast("B"), src, dst, n), dtype=np.uint8)
+    finally:
+        del helper.pool.submit
+    assert n >= 2 * CAST_SPLIT_MIN and len(calls) == 1  # it was split
+    want = torch_cast(bits, src, dst)
+    assert np.array_equal(got, want.view(np.uint8))

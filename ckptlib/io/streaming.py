@@ -20,6 +20,7 @@ import ctypes
 import mmap
 import os
 import sys
+import threading
 import zlib
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
@@ -84,9 +85,25 @@ class ChunkBuffers:
         return memoryview(self._cast)[:nbytes]
 
     def cast(self, src: memoryview, src_dtype: str, dtype: str, n: int) -> memoryview:
-        """``n`` elements of ``src`` (of ``src_dtype``) cast to ``dtype`` into the cast buffer; the result's bytes."""
+        """``n`` elements of ``src`` (of ``src_dtype``) cast to ``dtype`` into the cast buffer; the result's bytes.
+        A long cast between float32, bfloat16 and float16 is split in two when the machine has a second core
+        and the process's cast helper is free (:class:`CastHelper`): its second half is cast there, beside
+        this thread's first half."""
         out = self.cast_view(dtype, n)
-        cast_bytes(src, src_dtype, out, dtype, self)
+        helper = CastHelper.get() if n >= 2 * CAST_SPLIT_MIN and src_dtype != dtype else None
+        if helper is None or not helper.lock.acquire(blocking=False):
+            cast_bytes(src, src_dtype, out, dtype, self)
+            return out
+        try:
+            half = (n // 2 + 63) // 64 * 64
+            a, b = half * itemsize(src_dtype), half * itemsize(dtype)
+            fut = helper.pool.submit(cast_bytes, src[a:], src_dtype, out[b:], dtype, helper)
+            try:
+                cast_bytes(src[:a], src_dtype, out[:b], dtype, self)
+            finally:
+                fut.result()
+        finally:
+            helper.lock.release()
         return out
 
     @property
@@ -107,6 +124,55 @@ class ChunkBuffers:
             self.close()
         except Exception:
             pass
+
+
+_HELPER_LOCK = threading.Lock()
+#: a cast of at least twice this many elements is split over two threads (when there are two cores)
+CAST_SPLIT_MIN = 1 << 18
+
+
+class CastHelper:
+    """One thread per process that casts the second half of long casts (:meth:`ChunkBuffers.cast`), with a
+    scratch of its own, so a run's casts use two cores (numpy releases the GIL in the kernels). At most one
+    cast at a time (``lock``): a writing thread that finds it busy casts all of its chunk itself, so several
+    writing threads never queue behind it. Made on first use when the process may run on two cores or more
+    and there is room for a thread (:func:`thread_room`); else there is none and casts stay in one thread.
+
+    Memory: a thread (its stack) and a cast scratch of 832 KiB, once per process."""
+
+    _made = False
+    _helper: Optional["CastHelper"] = None
+
+    def __init__(self):
+        from concurrent.futures import ThreadPoolExecutor
+
+        from .casting import Scratch
+
+        self.lock = threading.Lock()
+        self.scratch = Scratch()
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="ckptlib-cast")
+
+    @classmethod
+    def get(cls) -> Optional["CastHelper"]:
+        with _HELPER_LOCK:
+            if not cls._made:
+                cls._made = True
+                cls._helper = cls._make()
+        return cls._helper
+
+    @classmethod
+    def _make(cls) -> Optional["CastHelper"]:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cores = os.cpu_count() or 1
+        if cores < 2 or os.environ.get("CKPTLIB_CAST_THREADS", "2") == "1":
+            return None
+        try:
+            thread_room()
+        except MemoryError:
+            return None
+        return cls()
 
 
 #: what importing numpy (the casts' kernels) maps into the data segment, measured with numpy 2.4 and its
