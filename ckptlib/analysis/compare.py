@@ -130,23 +130,38 @@ class WindowReader:
         self._pool: Optional[ThreadPoolExecutor] = None
 
     def _fill(self, pieces: list, dtype: str, slot: int):
+        """Read ``pieces`` back to back into slot ``slot`` as ``dtype``; the pieces of one file that continue
+        each other there (rows of a tensor-parallel shard) by one scatter read."""
         import numpy as np
 
-        out = self._slots[slot][:numel(pieces) * itemsize(dtype)].view(np_type(dtype))
+        size = itemsize(dtype)
+        raw = self._slots[slot][:numel(pieces) * size]
+        out = raw.view(np_type(dtype))
+        runs: dict[str, list] = {}  # path -> [[file offset, end, [buffers]], ...]
         pos = 0
         for r in pieces:
-            dst = out[pos:pos + r.count]
             if isinstance(r, Zeros):
-                dst.fill(0)
+                out[pos:pos + r.count].fill(0)
             elif r.dtype == dtype:
-                self.files.read_into(r.path, r.offset, memoryview(dst.view(np.uint8)))
+                view = memoryview(raw[pos * size:(pos + r.count) * size])
+                mine = runs.setdefault(r.path, [])
+                if mine and mine[-1][1] == r.offset:
+                    mine[-1][1] += r.nbytes
+                    mine[-1][2].append(view)
+                else:
+                    mine.append([r.offset, r.offset + r.nbytes, [view]])
             else:
                 tmp = np.empty(r.count, np_type(r.dtype))
                 self.files.read_into(r.path, r.offset, memoryview(tmp.view(np.uint8)))
-                cast_values(tmp, r.dtype, dst, dtype)
-            if self.drop_cache and isinstance(r, StoredRange):
-                self.files.drop_cache(r.path, r.offset, r.nbytes)
+                cast_values(tmp, r.dtype, out[pos:pos + r.count], dtype)
+                if self.drop_cache:
+                    self.files.drop_cache(r.path, r.offset, r.nbytes)
             pos += r.count
+        for path, mine in runs.items():
+            for start, end, views in mine:
+                self.files.read_scattered(path, start, views)
+                if self.drop_cache:
+                    self.files.drop_cache(path, start, end - start)
         return out
 
     def windows(self, index: RangeIndex, dtype: str, spans: Sequence[tuple[int, int]]) -> Iterator[tuple[int, Any]]:

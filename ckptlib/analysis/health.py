@@ -212,24 +212,27 @@ class _Scanner:
         index, dtype = RangeIndex(item.ranges), stored_dtype(item.ranges)
         lowp_index = RangeIndex(item.lowp) if item.lowp else None
         step = min(self.step, self.master.slot_bytes // itemsize(dtype))
-        spans = joint_spans(index, lowp_index, step)  # each window in one file on each side
+        spans = index.spans(step)  # windows may span files: a window with a finding is split by file after
         stats, tally, mismatched = RunningStats(), {}, {}
         windows = self.master.windows(index, dtype, spans)
         lowp = self.second.windows(lowp_index, item.lowp_dtype, spans) if item.lowp else None
+        negative = item.state == "exp_avg_sq"
         try:
             for s, x in windows:
                 check_cancel(self.cancel)
-                path = getattr(index.slice(s, 1)[0], "path", "")  # zeros (padding) hold no NaN
-                nan, inf, neg = stats.add(x, self.work, count_negative=item.state == "exp_avg_sq", dtype=dtype)
+                nan, inf, neg = stats.add(x, self.work, count_negative=negative, dtype=dtype)
                 if nan or inf or neg:
-                    t = tally.setdefault(path, [0, 0, 0])
-                    t[0], t[1], t[2] = t[0] + nan, t[1] + inf, t[2] + neg
+                    for path, a, b in _by_file(index, s, x.size):
+                        n, i, g = _bad_counts(x[a:b], dtype, self.work, negative)
+                        t = tally.setdefault(path, [0, 0, 0])
+                        t[0], t[1], t[2] = t[0] + n, t[1] + i, t[2] + g
                 if lowp is not None:
                     _, y = next(lowp)
-                    bad = self._mismatches(x, dtype, y, item.lowp_dtype)
-                    if bad:
-                        where = getattr(lowp_index.slice(s, 1)[0], "path", "")
-                        mismatched[where] = mismatched.get(where, 0) + bad
+                    if self._mismatches(x, dtype, y, item.lowp_dtype):
+                        for where, a, b in _by_file(lowp_index, s, x.size):
+                            bad = self._mismatches(x[a:b], dtype, y[a:b], item.lowp_dtype)
+                            if bad:
+                                mismatched[where] = mismatched.get(where, 0) + bad
                 self.progress(x.size * x.itemsize + (x.size * itemsize(item.lowp_dtype) if lowp else 0))
         finally:
             windows.close()
@@ -263,7 +266,7 @@ class _Scanner:
             return [Problem(key, file, f"{what}: this copy holds {b.numel:,} elements, the first {a.numel:,}")]
         dtype = stored_dtype(first)
         step = min(self.step, self.master.slot_bytes // itemsize(dtype))
-        spans = joint_spans(b, a, step)
+        spans = b.spans(step)  # a window that differs is split by the copy's files after
         differ, bad = {}, {}
         wa, wb = self.master.windows(a, dtype, spans), self.second.windows(b, dtype, spans)
         try:
@@ -272,17 +275,16 @@ class _Scanner:
                 self.progress(2 * x.size * x.itemsize)
                 if same_bytes(x, y):
                     continue
-                path = getattr(b.slice(s, 1)[0], "path", "")
-                differ[path] = differ.get(path, 0) + self._mismatches(x, dtype, y, dtype)
-                v = self.work[:y.size]
-                cast_values(y, dtype, v, "float64")
-                nan, inf = int(np.count_nonzero(np.isnan(v))), int(np.count_nonzero(np.isinf(v)))
-                if nan or inf:
-                    t = bad.setdefault(path, [0, 0])
-                    t[0], t[1] = t[0] + nan, t[1] + inf
+                for path, lo, hi in _by_file(b, s, y.size):
+                    differ[path] = differ.get(path, 0) + self._mismatches(x[lo:hi], dtype, y[lo:hi], dtype)
+                    nan, inf, _ = _bad_counts(y[lo:hi], dtype, self.work, False)
+                    if nan or inf:
+                        t = bad.setdefault(path, [0, 0])
+                        t[0], t[1] = t[0] + nan, t[1] + inf
         finally:
             wa.close()
             wb.close()
+        differ = {p: n for p, n in differ.items() if n}
         out = [Problem(key, self.label(p), f"{nan} NaN and {inf} Inf values (of {b.numel:,}) in this file's copy "
                        f"of the tensor ({what})") for p, (nan, inf) in bad.items()]
         out += [Problem(key, self.label(p), f"this file's copy differs from the first ({what}) at {n:,} of "
@@ -309,13 +311,24 @@ class _Scanner:
             self.second.close()
 
 
-def joint_spans(a: RangeIndex, b: Optional[RangeIndex], step: int) -> list[tuple[int, int]]:
-    """Windows ``(start, count)`` of at most ``step`` elements over ``a``, none crossing from one range
-    into the next in ``a`` or in ``b`` (an index of as many elements), so each lies in one file on each side."""
-    if b is None:
-        return a.spans(step, split=True)
-    cuts = sorted(set(a.starts) | set(b.starts) | {a.numel})
-    return [(s, min(step, hi - s)) for lo, hi in zip(cuts, cuts[1:]) for s in range(lo, hi, step)]
+def _by_file(index: RangeIndex, start: int, count: int) -> list[tuple[str, int, int]]:
+    """``(path, a, b)``: elements ``[a, b)`` of the window ``[start, start+count)`` of ``index`` that lie in
+    file ``path`` ("" for zeros), one entry per range, in order (a window with a finding, to name its files)."""
+    out, pos = [], 0
+    for r in index.slice(start, count):
+        out.append((getattr(r, "path", ""), pos, pos + r.count))
+        pos += r.count
+    return out
+
+
+def _bad_counts(x, dtype: str, work, count_negative: bool) -> tuple[int, int, int]:
+    """``(NaN, Inf, below zero)`` counts of window ``x`` (of ``dtype``; ``work``: a float64 buffer as long)."""
+    import numpy as np
+
+    w = work[:x.size]
+    cast_values(x, dtype, w, "float64")
+    nan, inf = int(np.count_nonzero(np.isnan(w))), int(np.count_nonzero(np.isinf(w)))
+    return nan, inf, int(np.count_nonzero(w < 0)) if count_negative else 0
 
 
 def read_steps(steps: list[StepItem], files: SourceFiles) -> dict:
