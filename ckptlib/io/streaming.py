@@ -333,13 +333,18 @@ def copy_ranges(ranges: Sequence, dtype: str, sink, bufs: ChunkBuffers, files: S
     want_crc = getattr(sink, "takes_crc", False)
     size = itemsize(dtype)
 
+    def view(k: int):  # (ranges, read buffer, whether to take the CRC-32 beside the read: not before a cast)
+        gather = items[reads[k]][1]
+        src = gather[0].dtype
+        return gather, bufs.read_view(src, sum(r.count for r in gather), k % 2), want_crc and src == dtype
+
+    def inline(k: int) -> bool:  # a few short ranges in the output dtype: read when written, no read-ahead
+        gather = items[reads[k]][1]
+        return gather[0].dtype == dtype and sum(r.nbytes for r in gather) < KERNEL_COPY_MIN_BYTES
+
     def submit(k: int) -> None:  # start reading the k-th buffered chunk into slot k % 2
-        if k < len(reads):
-            gather = items[reads[k]][1]
-            src = gather[0].dtype
-            count = sum(r.count for r in gather)
-            ahead[reads[k]] = bufs.pool.submit(_read_gather, files, gather, bufs.read_view(src, count, k % 2),
-                                               want_crc and src == dtype)
+        if k < len(reads) and not inline(k):
+            ahead[reads[k]] = bufs.pool.submit(_read_gather, files, *view(k))
 
     submit(0)
     k = total = 0
@@ -356,7 +361,7 @@ def copy_ranges(ranges: Sequence, dtype: str, sink, bufs: ChunkBuffers, files: S
                 nbytes = r.nbytes
             else:
                 gather = it[1]
-                chunk, crc, spans = ahead.pop(i).result()
+                chunk, crc, spans = ahead.pop(i).result() if i in ahead else _read_gather(files, *view(k))
                 count = sum(r.count for r in gather)
                 if gather[0].dtype != dtype:
                     chunk = bufs.cast(chunk, gather[0].dtype, dtype, count)
