@@ -22,7 +22,7 @@ import os
 import sys
 import threading
 import zlib
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 from ..dtypes import TORCH_TENSORS, import_torch, itemsize, torch_dtype
 from ..layout.ranges import StoredRange, Zeros, numel, slice_ranges
@@ -85,26 +85,38 @@ class ChunkBuffers:
         return memoryview(self._cast)[:nbytes]
 
     def cast(self, src: memoryview, src_dtype: str, dtype: str, n: int) -> memoryview:
-        """``n`` elements of ``src`` (of ``src_dtype``) cast to ``dtype`` into the cast buffer; the result's bytes.
-        A long cast between float32, bfloat16 and float16 is split in two when the machine has a second core
-        and the process's cast helper is free (:class:`CastHelper`): its second half is cast there, beside
-        this thread's first half."""
+        """``n`` elements of ``src`` (of ``src_dtype``) cast to ``dtype`` into the cast buffer; the result's bytes."""
+        parts = self.cast_parts(src, src_dtype, dtype, n)
+        try:
+            for _ in parts:
+                pass
+        finally:
+            parts.close()
+        return memoryview(self._cast)[:n * itemsize(dtype)]
+
+    def cast_parts(self, src: memoryview, src_dtype: str, dtype: str, n: int) -> Iterator[memoryview]:
+        """:meth:`cast` in parts, each yielded as soon as it is cast, in order: a long cast between float32,
+        bfloat16 and float16 is split in two when the process's cast helper (:class:`CastHelper`) is free,
+        its second half cast there while this thread casts the first, which the caller can write meanwhile.
+        Close the iterator when done (it waits for the helper)."""
         out = self.cast_view(dtype, n)
         helper = CastHelper.get() if n >= 2 * CAST_SPLIT_MIN and src_dtype != dtype else None
         if helper is None or not helper.lock.acquire(blocking=False):
             cast_bytes(src, src_dtype, out, dtype, self)
-            return out
+            yield out
+            return
         try:
             half = (n // 2 + 63) // 64 * 64
             a, b = half * itemsize(src_dtype), half * itemsize(dtype)
             fut = helper.pool.submit(cast_bytes, src[a:], src_dtype, out[b:], dtype, helper)
             try:
                 cast_bytes(src[:a], src_dtype, out[:b], dtype, self)
+                yield out[:b]
             finally:
                 fut.result()
+            yield out[b:]
         finally:
             helper.lock.release()
-        return out
 
     @property
     def scratch(self):
@@ -363,10 +375,15 @@ def copy_ranges(ranges: Sequence, dtype: str, sink, bufs: ChunkBuffers, files: S
                 gather = it[1]
                 chunk, crc, spans = ahead.pop(i).result() if i in ahead else _read_gather(files, *view(k))
                 count = sum(r.count for r in gather)
+                submit(k + 1)  # into the other slot, whose chunk is written
                 if gather[0].dtype != dtype:
-                    chunk = bufs.cast(chunk, gather[0].dtype, dtype, count)
-                submit(k + 1)  # the read slot is free again once cast; else the other slot
-                if want_crc:
+                    parts = bufs.cast_parts(chunk, gather[0].dtype, dtype, count)
+                    try:
+                        for part in parts:  # the first part is written while the second is cast
+                            sink.write(part, None) if want_crc else sink.write(part)
+                    finally:
+                        parts.close()
+                elif want_crc:
                     sink.write(chunk, crc)
                 else:
                     sink.write(chunk)
