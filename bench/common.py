@@ -74,6 +74,21 @@ def before_env(args: argparse.Namespace, env: Optional[dict] = None) -> Optional
     return dict(env or os.environ, PYTHONPATH=str(args.before.resolve()))
 
 
+def bytecode_as_installed() -> None:
+    """Run the tools as ``pip install`` leaves them: ckptlib's modules compiled to bytecode beside their
+    sources (pip compiles a package when it installs it; DeepSpeed's and torch's are compiled so in the
+    venv), and ``PYTHONDONTWRITEBYTECODE`` cleared for the processes started from here. Without this, a
+    sandbox that sets that variable (this one does) makes every ckpt run compile its modules again: 0.2 s
+    of a 0.25 s start-up here, a fifth of a small conversion's copy floor."""
+    import compileall
+    import importlib.util
+
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    spec = importlib.util.find_spec("ckptlib")
+    if spec is not None and spec.origin:
+        compileall.compile_dir(str(Path(spec.origin).parent), quiet=1)
+
+
 def ckpt(*args) -> list[str]:
     """``python -P -m ckptlib ARGS`` (see the module's docstring for ``-P``)."""
     return [PY, "-P", "-m", "ckptlib", *map(str, args)]
@@ -143,5 +158,5 @@ def write_json(args: argparse.Namespace, raw) -> None:
         args.json.write_text(json.dumps(raw, indent=2, default=str))
 
 
-__all__ = ["PY", "MIB", "IMPORTS", "parser", "work_folder", "before_env", "ckpt", "tag_of", "zero_to_fp32",
+__all__ = ["PY", "MIB", "IMPORTS", "parser", "work_folder", "before_env", "bytecode_as_installed", "ckpt", "tag_of", "zero_to_fp32",
            "ds_to_universal", "baseline", "check_ok", "ratio", "mib", "table", "write_json"]

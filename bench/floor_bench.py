@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (PY, baseline, check_ok, ckpt, ds_to_universal, mib, parser, table,  # noqa: E402
+from common import (PY, baseline, bytecode_as_installed, check_ok, ckpt, ds_to_universal, mib, parser, table,  # noqa: E402
                     work_folder, write_json, zero_to_fp32)
 from dcp_bench import HAND as HAND_DCP  # noqa: E402
 from procmon import run, warm_cache  # noqa: E402
@@ -137,6 +137,7 @@ def main() -> int:
     ap.add_argument("--only", nargs="+", help="labels of the conversions to run (default: all)")
     ap.add_argument("--no-anchors", action="store_true", help="leave out DeepSpeed's tools (ckpt and floors only)")
     args = ap.parse_args()
+    bytecode_as_installed()
     labels = {c.label for c in CONVERSIONS}  # a label picks itself; another word picks the conversions it starts
     convs = [c for c in CONVERSIONS if not args.only or c.label in args.only
              or (c.label.split()[0] in args.only and c.label.split()[0] not in labels)]
