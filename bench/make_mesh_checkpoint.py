@@ -14,13 +14,9 @@ the split rules as ``universal_checkpoint_info`` (what Megatron-DeepSpeed saves)
 """
 from __future__ import annotations
 
-import argparse
-import importlib
 import json
-import logging
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -30,30 +26,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.fixtures.mesh import models as MM  # noqa: E402
 from tests.fixtures.parallel.models import pipe_loss  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pipeline_setup import adamw, size_arguments, start_deepspeed  # noqa: E402
+
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--dim", type=int, default=1024)
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--layers", type=int, default=28)
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--seq", type=int, default=16)
-    args = ap.parse_args()
-
-    warnings.filterwarnings("ignore")
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-    import deepspeed
+    args = size_arguments(__doc__).parse_args()
+    deepspeed, rank, world, dp = start_deepspeed(4)  # pp 2 x tp 2
     from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
-    from deepspeed.utils import logger
 
-    logger.setLevel(logging.WARNING)
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank, world = tdist.get_rank(), tdist.get_world_size()
-    if world % 4:
-        raise SystemExit("world size must be 4 x dp (pp 2 x tp 2)")
-    dp = world // 4
     t0 = time.perf_counter()
     topo = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=dp)
     tp_rank = topo.get_coord(rank).model
@@ -65,10 +47,7 @@ def main():
     cfg = {"train_batch_size": dp, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
            "steps_per_print": 10**9, "zero_optimization": {"stage": 1}, "bf16": {"enabled": True},
            "gradient_clipping": 0.0}
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=1e-3)
+    optimizer = adamw(model, 1e-3)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg)
     t_init = time.perf_counter()
     g = torch.Generator().manual_seed(7)

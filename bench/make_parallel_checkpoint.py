@@ -15,13 +15,9 @@ Peak memory is about 14 bytes per parameter of a stage on each rank of it (dp 1)
 """
 from __future__ import annotations
 
-import argparse
-import importlib
 import json
-import logging
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -30,38 +26,22 @@ import torch.distributed as tdist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.fixtures.parallel import models as M  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pipeline_setup import adamw, size_arguments, start_deepspeed  # noqa: E402
+
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--dim", type=int, default=1024)
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--layers", type=int, default=28)
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--seq", type=int, default=16)
+    ap = size_arguments(__doc__)
     ap.add_argument("--bf16-optimizer", action="store_true")
     args = ap.parse_args()
-
-    warnings.filterwarnings("ignore")
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-    import deepspeed
+    deepspeed, rank, world, dp = start_deepspeed(2)  # pp 2
     from deepspeed.pipe import PipelineModule
-    from deepspeed.utils import logger
 
-    logger.setLevel(logging.WARNING)
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank, world = tdist.get_rank(), tdist.get_world_size()
-    if world % 2:
-        raise SystemExit("world size must be 2 x dp")
-    dp = world // 2
     t0 = time.perf_counter()
     specs = M.pipe_layer_specs(args.vocab, args.dim, tuple([args.hidden] * args.layers), seed=1234)
     model = PipelineModule(layers=specs, num_stages=2, loss_fn=M.pipe_loss, partition_method="type:Block")
     n_local = sum(p.numel() for p in model.parameters())
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=1e-4)
+    opt = adamw(model, 1e-4)
     cfg = {"train_batch_size": dp, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
            "steps_per_print": 10**9, "zero_optimization": {"stage": 1}, "bf16": {"enabled": True}}
     if args.bf16_optimizer:

@@ -15,6 +15,7 @@ weights, buffers and the step (for ZeRO-3, every sub-group's).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -42,6 +43,8 @@ CASES = {
     "MoE ep 1->2": ("moe_ep1_z2_bf16", {"ep": 2, "dp": 2}, []),
     "AutoTP tp 2->1 ZeRO-1": ("autotp_tp2_dp1_z1_bf16", {"tp": 1, "dp": 1}, []),
     "AutoTP tp 2->1 ZeRO-3": ("autotp_tp2_dp2_z3_bf16", {"tp": 1, "dp": 2}, []),
+    "AutoTP tp 2->4 ZeRO-1": ("autotp_tp2_dp1_z1_bf16", {"tp": 4, "dp": 1}, ["--model-config", "{config}"]),
+    "AutoTP tp 2->4 ZeRO-3": ("autotp_tp2_dp1_z3_bf16", {"tp": 4, "dp": 1}, ["--model-config", "{config}"]),
 }
 
 
@@ -136,7 +139,9 @@ def main() -> int:
         case.mkdir(parents=True)
         rules = fx["path"] / "tp_rules.json"
         sizes = [a for k, v in mesh.items() for a in (f"--{k}", str(v))]
-        extra = [a.replace("{rules}", str(rules)) for a in extra]
+        if "{config}" in extra:  # the model's config.json (AutoTP's key-value heads), as the HF Trainer saves it
+            (case / "config.json").write_text(json.dumps(dict(fx["model_config"], model_type="llama")))
+        extra = [a.replace("{rules}", str(rules)).replace("{config}", str(case / "config.json")) for a in extra]
         if rules.is_file() and "--tp-rules" not in extra:
             extra += ["--tp-rules", str(rules)]
         out = case / "ckpt"

@@ -5,6 +5,7 @@ import os
 import resource
 import statistics
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -86,7 +87,10 @@ def run(cmd: list[str], env: dict | None = None, interval: float = 0.005, tree: 
     with ``watch_dir`` the peak size of that folder is recorded (``peak_disk``)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    # output goes to files, not pipes: a command that prints more than a pipe holds (check --states of a large
+    # model prints a table of every state) would otherwise wait for ever for this loop to read it
+    out_f, err_f = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(cmd, stdout=out_f, stderr=err_f, env=env, text=True)
     peak = {"RssAnon": 0, "RssFile": 0, "VmRSS": 0}
     io = {"read_bytes": 0, "rchar": 0}
     ios: dict[int, dict] = {}
@@ -108,7 +112,10 @@ def run(cmd: list[str], env: dict | None = None, interval: float = 0.005, tree: 
             peak_disk = max(peak_disk, du(watch_dir))
             last_du = time.perf_counter()
         time.sleep(interval)
-    out, err = proc.communicate()
+    proc.wait()
+    out, err = (f.seek(0) or f.read() for f in (out_f, err_f))
+    out_f.close()
+    err_f.close()
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     io = {k: sum(v.get(k, 0) for v in ios.values()) for k in io}

@@ -273,7 +273,8 @@ def test_cast_values_writes_what_torch_writes(src, dst):
 def test_a_long_cast_split_over_two_threads_writes_what_torch_writes(pair, n):
     """ChunkBuffers.cast hands the second half of a long cast to the process's cast helper thread: the
     halves meet at an element boundary and the bytes are torch's, whatever ``n``."""
-    from ckptlib.io.streaming import CAST_SPLIT_MIN, CastHelper, ChunkBuffers
+    from ckptlib.io.streaming import ChunkBuffers
+    from ckptlib.io.threads import CAST_SPLIT_MIN, CastHelper
 
     helper = CastHelper.get()
     if helper is None:

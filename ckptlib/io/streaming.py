@@ -20,7 +20,6 @@ import ctypes
 import mmap
 import os
 import sys
-import threading
 import zlib
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
@@ -29,6 +28,7 @@ from ..layout.ranges import StoredRange, Zeros, numel, slice_ranges
 from ..plan import DEFAULT_CHUNK_BYTES, FIXED_OVERHEAD_BYTES, predicted_peak_bytes
 from ..progress import check_cancel
 from .sources import SourceFiles
+from .threads import CAST_SPLIT_MIN, CastHelper, thread_room
 
 if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor
@@ -138,55 +138,6 @@ class ChunkBuffers:
             pass
 
 
-_HELPER_LOCK = threading.Lock()
-#: a cast of at least twice this many elements is split over two threads (when there are two cores)
-CAST_SPLIT_MIN = 1 << 18
-
-
-class CastHelper:
-    """One thread per process that casts the second half of long casts (:meth:`ChunkBuffers.cast`), with a
-    scratch of its own, so a run's casts use two cores (numpy releases the GIL in the kernels). At most one
-    cast at a time (``lock``): a writing thread that finds it busy casts all of its chunk itself, so several
-    writing threads never queue behind it. Made on first use when the process may run on two cores or more
-    and there is room for a thread (:func:`thread_room`); else there is none and casts stay in one thread.
-
-    Memory: a thread (its stack) and a cast scratch of 832 KiB, once per process."""
-
-    _made = False
-    _helper: Optional["CastHelper"] = None
-
-    def __init__(self):
-        from concurrent.futures import ThreadPoolExecutor
-
-        from .casting import Scratch
-
-        self.lock = threading.Lock()
-        self.scratch = Scratch()
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="ckptlib-cast")
-
-    @classmethod
-    def get(cls) -> Optional["CastHelper"]:
-        with _HELPER_LOCK:
-            if not cls._made:
-                cls._made = True
-                cls._helper = cls._make()
-        return cls._helper
-
-    @classmethod
-    def _make(cls) -> Optional["CastHelper"]:
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            cores = os.cpu_count() or 1
-        if cores < 2 or os.environ.get("CKPTLIB_CAST_THREADS", "2") == "1":
-            return None
-        try:
-            thread_room()
-        except MemoryError:
-            return None
-        return cls()
-
-
 #: what importing numpy (the casts' kernels) maps into the data segment, measured with numpy 2.4 and its
 #: OpenBLAS 0.3.31: about 3 MiB, plus about 41 MiB of buffers for each thread OpenBLAS starts at import. OpenBLAS
 #: takes them while numpy loads and ends the process when it cannot ("OpenBLAS error: Memory allocation still
@@ -230,25 +181,6 @@ def load_cast_kernels() -> None:
                 hint=f"free memory or raise the limit (numpy's OpenBLAS starts {threads} thread(s) with buffers of "
                      "their own; OPENBLAS_NUM_THREADS=1 needs the least); nothing was written")
     from . import casting  # noqa: F401 - loaded here, on purpose
-
-
-#: what a new thread takes beyond its stack (Python's thread state, locks, the first frames)
-THREAD_EXTRA_BYTES = 4 * 2**20
-
-
-def thread_room() -> None:
-    """Raise ``MemoryError`` unless there is room (``ulimit -d``, cgroup, machine) for one more thread: its
-    stack (``ulimit -s``) and :data:`THREAD_EXTRA_BYTES`. A thread that gets its stack but then fails to
-    allocate inside Python's own start-up leaves ``Thread.start()`` waiting for ever; this check turns that
-    case, at the memory floor, into the run's one-line out-of-memory error."""
-    import resource
-
-    from ..system.memory import system_memory
-
-    stack = resource.getrlimit(resource.RLIMIT_STACK)[0]
-    stack = 8 * 2**20 if stack == resource.RLIM_INFINITY or stack <= 0 else stack
-    if system_memory().headroom < stack + THREAD_EXTRA_BYTES:
-        raise MemoryError("no room for the read-ahead thread")
 
 
 def _private_map(nbytes: int) -> mmap.mmap:
@@ -348,7 +280,7 @@ def copy_ranges(ranges: Sequence, dtype: str, sink, bufs: ChunkBuffers, files: S
     def view(k: int):  # (ranges, read buffer, whether to take the CRC-32 beside the read: not before a cast)
         gather = items[reads[k]][1]
         src = gather[0].dtype
-        return gather, bufs.read_view(src, sum(r.count for r in gather), k % 2), want_crc and src == dtype
+        return gather, bufs.read_view(src, sum(r.count for r in gather), k % 2), want_crc and src == dtype, drop_cache
 
     def inline(k: int) -> bool:  # a few short ranges in the output dtype: read when written, no read-ahead
         gather = items[reads[k]][1]
@@ -373,7 +305,7 @@ def copy_ranges(ranges: Sequence, dtype: str, sink, bufs: ChunkBuffers, files: S
                 nbytes = r.nbytes
             else:
                 gather = it[1]
-                chunk, crc, spans = ahead.pop(i).result() if i in ahead else _read_gather(files, *view(k))
+                chunk, crc, _ = ahead.pop(i).result() if i in ahead else _read_gather(files, *view(k))
                 count = sum(r.count for r in gather)
                 submit(k + 1)  # into the other slot, whose chunk is written
                 if gather[0].dtype != dtype:
@@ -391,9 +323,6 @@ def copy_ranges(ranges: Sequence, dtype: str, sink, bufs: ChunkBuffers, files: S
                 nbytes = count * size
             if drop_cache and it[0] == "copy":
                 files.drop_cache(it[1].path, it[1].offset, it[1].nbytes)
-            elif drop_cache and it[0] == "read":
-                for span in spans:
-                    files.drop_cache(*span)
             progress(nbytes)
             total += nbytes
     finally:
@@ -402,9 +331,10 @@ def copy_ranges(ranges: Sequence, dtype: str, sink, bufs: ChunkBuffers, files: S
     return total
 
 
-def _read_gather(files: SourceFiles, gather: Sequence, out: memoryview, crc: bool) -> tuple:
+def _read_gather(files: SourceFiles, gather: Sequence, out: memoryview, crc: bool, drop: bool = False) -> tuple:
     """Read the ranges ``gather`` back to back into ``out`` (in the read-ahead thread); returns ``out``, its
-    CRC-32 with ``crc`` (else None) and the ``(path, offset, nbytes)`` spans read. The ranges of one file
+    CRC-32 with ``crc`` (else None) and the ``(path, offset, nbytes)`` spans read, whose page-cache pages
+    are released (``drop``) as soon as they are read. The ranges of one file
     that continue each other there (the rows of a tensor-parallel shard, interleaved with another shard's
     in ``out``) are one span, read by one scatter read."""
     runs: dict[str, list] = {}  # path -> [[file offset, end, [buffers]], ...]
@@ -423,6 +353,8 @@ def _read_gather(files: SourceFiles, gather: Sequence, out: memoryview, crc: boo
         for start, end, views in mine:
             files.read_scattered(path, start, views)
             spans.append((path, start, end - start))
+            if drop:  # the bytes are in ``out`` now: their pages are not needed again
+                files.drop_cache(path, start, end - start)
     return out, (zlib.crc32(out) if crc else None), spans
 
 
