@@ -95,6 +95,42 @@ def test_write_behind_leaves_bytes_to_the_kernel_while_the_budget_lasts(tmp_path
         assert sorted((o, n) for o, n, f in calls if f == 7) == started
 
 
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_synced_write_behind_flushes_in_the_background_and_raises_a_failed_flush(tmp_path, monkeypatch, fail):
+    """Every FLUSH_EVERY released windows a synced run's file is fdatasync'ed in a thread of its own (on a
+    duplicate descriptor); an unsynced run never is; a flush that fails is raised by close(), not lost."""
+    flushed, real = [], os.fdatasync
+
+    def recording(fd):
+        flushed.append(os.readlink(f"/proc/self/fd/{fd}"))
+        if fail:
+            raise OSError(5, "Input/output error")
+        return real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", recording)
+    monkeypatch.setenv("CKPTLIB_WRITE_BEHIND", "1")
+    data = os.urandom(40_000)
+    for budget in (None, 100_000):
+        flushed.clear()
+        path = tmp_path / f"f{budget}"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+        wb = WriteBehind(fd, window=1000, lag=2, unsynced=UnsyncedBudget(budget) if budget is not None else None)
+        for off in range(0, 40_000, 1000):
+            os.pwrite(fd, data[off:off + 1000], off)
+            wb.wrote(off, 1000)
+        if fail and budget is None:
+            with pytest.raises(OSError, match="Input/output error"):
+                wb.close()
+        else:
+            wb.close()
+        os.close(fd)
+        assert path.read_bytes() == data
+        if budget is None:  # 40 windows released: a flush after the 8th at least, one at a time
+            assert 1 <= len(flushed) <= 40 // sinks.FLUSH_EVERY and set(flushed) == {str(path)}
+        else:
+            assert flushed == []
+
+
 def test_kernel_writeback_threshold_follows_the_vm_settings():
     fixed = int(open("/proc/sys/vm/dirty_background_bytes").read())
     ratio = int(open("/proc/sys/vm/dirty_background_ratio").read())

@@ -56,6 +56,10 @@ class UnsyncedBudget:
             return True
 
 
+#: a run that syncs flushes its output file in the background every this many write-behind windows (128 MiB)
+FLUSH_EVERY = 8
+
+
 class WriteBehind:
     """Writes an output file's dirty pages to disk as it grows and then drops them from the page cache.
 
@@ -71,6 +75,13 @@ class WriteBehind:
 
     With an ``unsynced`` budget (a run that does not sync its output), bytes are left to the kernel
     while the budget lasts: an output smaller than it is never waited for.
+
+    A run that syncs (no budget) also has the file flushed (``fdatasync``) in a background thread every
+    :data:`FLUSH_EVERY` windows, one flush at a time: a virtual disk may keep written blocks in its own cache
+    until it is told to flush, and the run's final ``fsync`` then waits for all of them (0.7 s of 512 MiB
+    on the project's machine, whatever the write-behind did); flushed as the file grows, that time passes
+    beside the copying. A flush that fails is raised by :meth:`close` (its error would otherwise be taken
+    from the file's error state and the final ``fsync`` could pass).
     """
 
     def __init__(self, fd: int, window: int = 16 * 2**20, lag: int = 8, unsynced: Optional[UnsyncedBudget] = None):
@@ -79,6 +90,9 @@ class WriteBehind:
         self.unsynced = unsynced
         self._run: Optional[list] = None  # [start, end) of the bytes written in a row, not handed over yet
         self._flight: collections.deque = collections.deque()
+        self._released = 0
+        self._flusher: Optional[threading.Thread] = None
+        self._flush_error: Optional[OSError] = None
 
     def wrote(self, offset: int, nbytes: int) -> None:
         if nbytes <= 0 or not self.enabled:
@@ -112,12 +126,45 @@ class WriteBehind:
                 os.posix_fadvise(self.fd, start, end - start, os.POSIX_FADV_DONTNEED)
             except OSError:
                 pass
+        self._released += 1
+        if self.unsynced is None and self._released % FLUSH_EVERY == 0:
+            self._flush_behind()
+
+    def _flush_behind(self) -> None:
+        """Start an ``fdatasync`` of the file in a thread of its own (on a duplicate descriptor, so closing
+        the file never races it), unless one is still running or there is no room for a thread."""
+        if self._flusher is not None and self._flusher.is_alive():
+            return
+        from .threads import thread_room
+
+        try:
+            thread_room()
+            fd = os.dup(self.fd)
+        except (MemoryError, OSError):
+            return
+
+        def flush() -> None:
+            try:
+                os.fdatasync(fd)
+            except OSError as e:
+                self._flush_error = e
+            finally:
+                os.close(fd)
+
+        self._flusher = threading.Thread(target=flush, name="ckptlib-flush", daemon=True)
+        self._flusher.start()
 
     def close(self) -> None:
-        """Hand over and release everything still pending (the data is then on its way to disk)."""
+        """Hand over and release everything still pending (the data is then on its way to disk); wait for a
+        background flush and raise its error."""
         self._hand_over()
         while self._flight:
             self._release(*self._flight.popleft())
+        if self._flusher is not None:
+            self._flusher.join()
+            self._flusher = None
+        if self._flush_error is not None:
+            raise self._flush_error
 
 
 def pwrite_all(fd: int, data, offset: int) -> None:
