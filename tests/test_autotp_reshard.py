@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,8 +20,8 @@ import torch
 
 import ckptlib
 from ckptlib.deepspeed.autotp import AutoTPGeometry
+from tests.cli import assert_refused, run_cli as _cli
 
-ROOT = Path(__file__).resolve().parents[1]
 #: case -> (tp-2 dp-1 source, target tp): tp 4 at ZeRO-1/2/3, bf16 and fp32, a tied (vocabulary-parallel) head;
 #: tp 3, where AutoTP gives the 4 key-value heads out unevenly (2/1/1: q_proj 32/16/16 rows)
 CASES = {f"{name}@tp{tp}": (name, tp) for name, tp in (
@@ -188,11 +186,6 @@ def test_the_split_rule_is_deepspeeds_own():
     assert n > 2000
 
 
-def _cli(*args):
-    r = subprocess.run([sys.executable, "-m", "ckptlib", *map(str, args)], capture_output=True, text=True, cwd=ROOT)
-    return r.returncode, r.stdout, r.stderr
-
-
 @pytest.mark.parametrize("case", ["more-ranks-than-kv-heads", "no-model-config", "wrong-model-config"])
 def test_what_autotp_cannot_hold_is_refused_before_anything_is_written(parallel_fixtures, tmp_path, case):
     fx = parallel_fixtures["autotp_tp2_dp1_z1_bf16"]
@@ -209,11 +202,7 @@ def test_what_autotp_cannot_hold_is_refused_before_anything_is_written(parallel_
         bad.write_text(json.dumps(dict(fx["model_config"], num_key_value_heads=1)))
         args, words = ["--tp", "4", "--model-config", bad], ["the checkpoint's affine_map records", "cannot tell"]
     code, stdout, err = _cli("reshard", fx["checkpoint_path"], out, "--world-size", "1", *args)
-    assert code == 2, stdout + err
-    assert "Traceback" not in err
-    for w in words:
-        assert w in err, (w, err)
-    assert not out.exists()
+    assert_refused(code, stdout, err, words, out)
 
 
 def test_the_config_json_beside_the_tag_folders_is_used(parallel_fixtures, tmp_path):

@@ -6,23 +6,16 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import ckptlib
+from tests.cli import run_cli as _cli
 
-ROOT = Path(__file__).resolve().parents[1]
 THREE_D = ["pp2_tp2_dp1_z1_bf16", "pp2_tp2_dp1_z1_bf16_noinfo", "pp2_tp2_dp1_z0_fp32", "pp2_tp2_dp1_z0_fp32_noinfo",
            "pp2_tp2_dp2_z1_bf16", "pp2_tp2_dp2_z1_bf16_noinfo"]
-
-
-def _cli(*args):
-    r = subprocess.run([sys.executable, "-m", "ckptlib", *map(str, args)], capture_output=True, text=True, cwd=ROOT)
-    return r.returncode, r.stdout, r.stderr
 
 
 def _rules(fx) -> list:

@@ -9,7 +9,6 @@ is said to be unchecked in its finding.
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Optional, Union
@@ -17,6 +16,7 @@ from typing import Optional, Union
 from ..deepspeed import NO_ZERO, Checkpoint, open_checkpoint
 from ..deepspeed import files as fnames
 from ..errors import CkptError
+from ..io.jsonfile import read_json_object
 
 REFUSED, DROPS, LOADS = "refused", "drops", "loads"
 DS_DP_MESSAGE = ("ZeRORuntimeException: The checkpoint being loaded used a DP world size of {saved} but the current "
@@ -109,16 +109,7 @@ def read_config(config: Union[dict, str, os.PathLike]) -> dict:
     """A DeepSpeed config as a dict (a dict, or a JSON file)."""
     if isinstance(config, dict):
         return config
-    try:
-        with open(config) as fh:
-            out = json.load(fh)
-    except OSError as e:
-        raise CkptError(f"cannot read the DeepSpeed config ({e.strerror})", path=config) from None
-    except ValueError as e:
-        raise CkptError(f"the DeepSpeed config is not valid JSON ({e})", path=config) from None
-    if not isinstance(out, dict):
-        raise CkptError("the DeepSpeed config is not a JSON object", path=config)
-    return out
+    return read_json_object(config, "the DeepSpeed config")
 
 
 def target_from_config(config: dict, world_size: int, tp: int = 1, pp: int = 1, ep: int = 1, sp: int = 1) -> Target:

@@ -28,12 +28,12 @@ refused with the parameter's name.
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Optional
 
 from ..errors import CkptError
+from ..io.jsonfile import read_json_object
 from ..layout.placement import row_major_strides
 
 #: DeepSpeed's probe order for the key-value head count (first attribute present wins)
@@ -88,16 +88,8 @@ def read_model_config(path: os.PathLike) -> dict:
     p = os.fspath(path)
     if os.path.isdir(p):
         p = os.path.join(p, CONFIG_NAME)
-    try:
-        with open(p) as f:
-            out = json.load(f)
-    except OSError as e:
-        raise CkptError(f"cannot read the model config ({e.strerror})", path=p) from None
-    except ValueError as e:
-        raise CkptError(f"the model config is not valid JSON ({e})", path=p) from None
-    if not isinstance(out, dict):
-        raise CkptError("the model config must be a JSON object (the model's config.json)", path=p)
-    return out
+    return read_json_object(p, "the model config",
+                            not_object="the model config must be a JSON object (the model's config.json)")
 
 
 def contiguous_split(entry: dict) -> tuple[Optional[int], list[int]]:

@@ -15,13 +15,13 @@ The same keys can come from a JSON file (``--tp-rules``) for checkpoints saved w
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass, field
 from typing import Optional
 
 from ..errors import CkptError, UnsupportedCheckpointError
+from ..io.jsonfile import read_json_object
 from ..layout.placement import COLUMN, REPLICATED, ROW, VOCABULARY, Block, blocks_from_rule
 from .model import ModelView
 from .records import BufferInfo, ParameterInfo
@@ -89,16 +89,8 @@ class SplitRules:
 
 def load_rules(path: os.PathLike) -> SplitRules:
     """Split rules from a JSON file (the keys of ``universal_checkpoint_info``)."""
-    try:
-        with open(path) as f:
-            info = json.load(f)
-    except OSError as e:
-        raise CkptError(f"cannot read the tensor-parallel rules ({e.strerror})", path=path) from None
-    except ValueError as e:
-        raise CkptError(f"the tensor-parallel rules are not valid JSON ({e})", path=path,
-                        hint=RULES_HINT) from None
-    if not isinstance(info, dict):
-        raise CkptError("the tensor-parallel rules must be a JSON object", path=path, hint=RULES_HINT)
+    info = read_json_object(path, "the tensor-parallel rules", hint=RULES_HINT,
+                            not_object="the tensor-parallel rules must be a JSON object")
     return SplitRules.from_info(info, os.fspath(path))
 
 
