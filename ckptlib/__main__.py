@@ -17,14 +17,37 @@ MESSAGE = (b"ckpt: error: ran out of memory before ckptlib could run or say how 
 
 def out_of_memory(e: BaseException) -> bool:
     """Whether ``e`` is the failure of an allocation: a MemoryError, an OSError ENOMEM (e.g. listing a
-    folder while importing), or an ImportError of a shared library that could not be mapped. The import-time
-    part of :func:`ckptlib.system.allocation.is_allocation_failure`, kept here because that module's own imports
-    (errors, memory, units) are what fails under the memory this guard is for."""
+    folder while importing), an ImportError of a shared library that could not be mapped, or a SyntaxError
+    in one of ckptlib's own modules within 4 MiB of the data-segment limit (CPython's parser reports a failed
+    allocation so). The import-time part of :func:`ckptlib.system.allocation.is_allocation_failure`, kept
+    here because that module's own imports (errors, memory, units) are what fails under the memory this
+    guard is for."""
     if isinstance(e, MemoryError):
         return True
     if isinstance(e, OSError):
         return e.errno == errno.ENOMEM
+    if isinstance(e, SyntaxError):
+        return _own_file(e.filename) and _near_data_limit()
     return isinstance(e, ImportError) and "failed to map segment" in str(e)
+
+
+def _own_file(path) -> bool:
+    return bool(path) and os.path.abspath(path).startswith(os.path.dirname(os.path.abspath(__file__)) + os.sep)
+
+
+def _near_data_limit() -> bool:
+    """Less than 4 MiB left under ``ulimit -d`` (VmData from ``/proc/self/status``)."""
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_DATA)[0]
+    if limit == resource.RLIM_INFINITY:
+        return False
+    try:
+        with open("/proc/self/status", "rb") as f:
+            used = next(int(line.split()[1]) * 1024 for line in f if line.startswith(b"VmData:"))
+    except (OSError, StopIteration, ValueError):
+        return True  # cannot even read it: as short as can be
+    return limit - used < 4 * 2**20
 
 
 def main() -> int:
@@ -35,7 +58,7 @@ def main() -> int:
         from .cli.main import main as cli_main
 
         return cli_main()
-    except (MemoryError, OSError, ImportError) as e:
+    except (MemoryError, OSError, ImportError, SyntaxError) as e:
         if not out_of_memory(e):
             raise
         try:

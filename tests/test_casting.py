@@ -269,30 +269,54 @@ def test_cast_values_writes_what_torch_writes(src, dst):
 
 @pytest.mark.parametrize("pair", [("float32", "bfloat16"), ("float32", "float16"), ("float16", "bfloat16"),
                                   ("bfloat16", "float32")])
-@pytest.mark.parametrize("n", [2 * (1 << 18), 2 * (1 << 18) + 1, (1 << 20) + 37])
-def test_a_long_cast_split_over_two_threads_writes_what_torch_writes(pair, n):
-    """ChunkBuffers.cast hands the second half of a long cast to the process's cast helper thread: the
-    halves meet at an element boundary and the bytes are torch's, whatever ``n``."""
-    from ckptlib.io.streaming import ChunkBuffers
-    from ckptlib.io.threads import CAST_SPLIT_MIN, CastHelper
+@pytest.mark.parametrize("n", [1, 5, (1 << 17) + 1, 3 * (1 << 17) + 37])
+@pytest.mark.parametrize("crc", [False, True], ids=["plain", "crc"])
+def test_a_cast_in_pieces_on_two_threads_writes_what_torch_writes(tmp_path, pair, n, crc):
+    """copy_ranges casts a chunk piece by piece (ckptlib.io.castcopy.cast_pieces): the writing thread and
+    the cast helper take pieces in turn and write each at its place. The file holds torch's bytes whatever
+    ``n``, across the pieces' seams and the ranges' own, and a CRC-keeping sink's CRC is the file's."""
+    import zlib
 
-    helper = CastHelper.get()
-    if helper is None:
-        pytest.skip("one core (or no room for a thread): casts are not split here")
+    from ckptlib.io.castcopy import piece_elems
+    from ckptlib.io.sinks import PwriteSink
+    from ckptlib.io.sources import SourceFiles
+    from ckptlib.io.streaming import ChunkBuffers, copy_ranges
+    from ckptlib.io.threads import CastHelper
+    from ckptlib.layout.ranges import StoredRange
+
     src, dst = pair
     rng = np.random.default_rng(n)
     bits = rng.integers(0, 2**32, size=n, dtype=np.uint64).astype(np.uint32)
     if src != "float32":
         bits = bits.astype(np.uint16)
-    bits[n // 2 - 2:n // 2 + 66] = bits[:68]  # the seam
-    bufs = ChunkBuffers(n * 4)
+    size = bits.itemsize
+    stored = tmp_path / "stored.bin"
+    stored.write_bytes(b"xyz" + bits[: n // 3].tobytes() + b"gap" + bits[n // 3:].tobytes())
+    ranges = [StoredRange(str(stored), 3, src, n // 3), StoredRange(str(stored), 6 + (n // 3) * size, src, n - n // 3)]
+    ranges = [r for r in ranges if r.count]
+    bufs = ChunkBuffers(1 << 20)  # pieces of 1/2 MiB of the wider dtype, chunks of 1 MiB: many of both
+    helper = CastHelper.get()
     calls = []
-    submit = helper.pool.submit
-    helper.pool.submit = lambda *a: calls.append(a[0]) or submit(*a)
+    if helper is not None:
+        submit = helper.pool.submit
+        helper.pool.submit = lambda *a: calls.append(a[0]) or submit(*a)
+    out = tmp_path / "out.bin"
+    fd = os.open(out, os.O_RDWR | os.O_CREAT)
     try:
-        got = np.frombuffer(bufs.cast(memoryview(bits).cast("B"), src, dst, n), dtype=np.uint8)
+        os.pwrite(fd, b"head", 0)
+        sink = PwriteSink(fd, 4, crc=crc)
+        with SourceFiles() as files:
+            written = copy_ranges(ranges, dst, sink, bufs, files, drop_cache=False)
     finally:
-        del helper.pool.submit
-    assert n >= 2 * CAST_SPLIT_MIN and len(calls) == 1  # it was split
-    want = torch_cast(bits, src, dst)
-    assert np.array_equal(got, want.view(np.uint8))
+        os.close(fd)
+        bufs.close()
+        if helper is not None:
+            del helper.pool.submit
+    want = torch_cast(bits, src, dst).view(np.uint8).tobytes()
+    data = out.read_bytes()
+    assert written == len(want) and data == b"head" + want
+    if crc:
+        assert sink.crc == zlib.crc32(want)
+    pieces = -(-n // piece_elems(1 << 20, src, dst))
+    if helper is not None and pieces > 1:
+        assert calls  # the helper took pieces

@@ -114,3 +114,27 @@ def test_too_little_memory_to_even_load_ckptlib_is_one_message_too(tmp_path, com
         assert lines[1].startswith("  hint: ") and not out.exists(), (limit, r.stderr)
         seen.add("launcher" if "before ckptlib could run" in lines[0] else "cli")
     assert seen == {"launcher", "cli"}  # both guards were reached in the scan
+
+
+def test_a_syntax_error_counts_as_out_of_memory_only_in_ckptlib_and_near_the_limit():
+    """CPython's parser reports a failed allocation while it compiles a module as a SyntaxError (seen in the
+    scan above: "expected ':'" in ckptlib/io/streaming.py, which compiles). Both guards (the launcher's and
+    the CLI's) take such an error in one of ckptlib's files within 4 MiB of the data-segment limit for
+    running out of memory; with room left, or in another file, a syntax error stays what it is."""
+    code = """
+import resource, sys
+import ckptlib.io.streaming as mod
+from ckptlib.__main__ import out_of_memory
+from ckptlib.system.allocation import is_allocation_failure
+own = SyntaxError("expected ':'", (mod.__file__, 1, 1, "def f"))
+other = SyntaxError("expected ':'", ("/tmp/elsewhere.py", 1, 1, "def f"))
+def judged():
+    return [is_allocation_failure(own), out_of_memory(own), is_allocation_failure(other), out_of_memory(other)]
+room = judged()
+used = next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmData:'))
+resource.setrlimit(resource.RLIMIT_DATA, (used + 2 * 2**20, resource.getrlimit(resource.RLIMIT_DATA)[1]))
+print(room, judged())
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == "[False, False, False, False] [True, True, False, False]".split(), r.stdout

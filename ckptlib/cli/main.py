@@ -352,7 +352,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
-    except (MemoryError, RuntimeError) as e:  # an allocation failed outside a run (which says more itself)
+    except (MemoryError, RuntimeError, SyntaxError) as e:  # an allocation failed outside a run (which says more)
         from ..system.allocation import is_allocation_failure
         from ..system.memory import system_memory
 

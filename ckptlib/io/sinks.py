@@ -225,6 +225,20 @@ class PwriteSink:
 
     __call__ = write
 
+    def put(self, at: int, data) -> None:
+        """Write ``data`` ``at`` bytes past the end written so far, which stays where it is: threads may fill
+        a stretch in any order (``pwrite`` is positional); :meth:`advance` then takes the stretch in."""
+        pwrite_all(self.fd, data, self.offset + at)
+
+    def advance(self, nbytes: int, crc: Optional[int] = None) -> None:
+        """Take in the ``nbytes`` that :meth:`put` wrote past the end (``crc``: their CRC-32, for a sink
+        that keeps one): the write-behind and the CRC go on as after :meth:`write`."""
+        if self.takes_crc:
+            self.crc = crc32_combine(self.crc, crc, nbytes)
+        if self.behind is not None:
+            self.behind.wrote(self.offset, nbytes)
+        self.offset += nbytes
+
     def copy_from(self, src_fd: int, src_offset: int, nbytes: int) -> None:
         if self.takes_crc:
             raise RuntimeError("a CRC-keeping sink cannot copy inside the kernel")

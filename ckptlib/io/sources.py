@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 from ..errors import IncompleteCheckpointError
 from .torchzip.reader import GLOBAL_STATS, ReadStats
@@ -96,6 +96,32 @@ class SourceFiles:
                     done += v.nbytes
             pos += want
         self.count(pos - offset)
+
+    def read_gather(self, gather: Sequence, out: memoryview, drop: bool = False) -> list[tuple[str, int, int]]:
+        """Read the stored ranges ``gather`` (each with ``path``, ``offset`` and ``nbytes``) back to back into
+        ``out``; returns the ``(path, offset, nbytes)`` spans read. The ranges of one file that continue each
+        other there (the rows of a tensor-parallel shard, interleaved with another shard's in ``out``) are one
+        span, read by one scatter read. With ``drop`` the page-cache pages of each span are released as soon
+        as it is read."""
+        runs: dict[str, list] = {}  # path -> [[file offset, end, [buffers]], ...]
+        pos = 0
+        for r in gather:
+            n = r.nbytes
+            mine = runs.setdefault(r.path, [])
+            if mine and mine[-1][1] == r.offset:
+                mine[-1][1] += n
+                mine[-1][2].append(out[pos:pos + n])
+            else:
+                mine.append([r.offset, r.offset + n, [out[pos:pos + n]]])
+            pos += n
+        spans = []
+        for path, mine in runs.items():
+            for start, end, views in mine:
+                self.read_scattered(path, start, views)
+                spans.append((path, start, end - start))
+                if drop:  # the bytes are in ``out`` now: their pages are not needed again
+                    self.drop_cache(path, start, end - start)
+        return spans
 
     def count(self, nbytes: int) -> None:
         """Account for bytes read outside :meth:`read_into` (copies inside the kernel)."""

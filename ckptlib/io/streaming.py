@@ -4,15 +4,17 @@
 in chunks, casting when the output dtype differs. Ranges already in the output dtype go file to file
 inside the kernel when the sink can do that (``copy_from``). Chunks that go through the buffers are
 read one ahead in a background thread; a sink that keeps a CRC-32 (``takes_crc``) gets each chunk's
-CRC computed there too, beside the read, so the writing thread only writes.
+CRC computed there too, beside the read, so the writing thread only writes. A chunk that needs a cast
+goes piece by piece through :func:`~ckptlib.io.castcopy.cast_pieces` instead, on two threads, when the
+sink writes at positions (``put``).
 
 The buffers are plain bytes (anonymous memory maps) and the casts between float32, bfloat16 and float16 are
 :mod:`ckptlib.io.casting`'s, bit for bit torch's: nothing here imports torch, except a cast between other
 dtypes (float64 buffers to float32, say), which is left to torch, and :func:`read_ranges`, which makes
 a tensor.
 
-Memory: the three buffers of :class:`ChunkBuffers` (``3 * chunk_bytes``) and a cast scratch of 832 KiB,
-whatever the tensor sizes.
+Memory: the three buffers of :class:`ChunkBuffers` (``3 * chunk_bytes``) and a cast scratch
+(:class:`~ckptlib.io.casting.Scratch`, 1.6 MiB), whatever the tensor sizes.
 """
 from __future__ import annotations
 
@@ -21,14 +23,15 @@ import mmap
 import os
 import sys
 import zlib
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from ..dtypes import TORCH_TENSORS, import_torch, itemsize, torch_dtype
 from ..layout.ranges import StoredRange, Zeros, numel, slice_ranges
 from ..plan import DEFAULT_CHUNK_BYTES, FIXED_OVERHEAD_BYTES, predicted_peak_bytes
 from ..progress import check_cancel
 from .sources import SourceFiles
-from .threads import CAST_SPLIT_MIN, CastHelper, thread_room
+from .castcopy import cast_bytes, cast_pieces
+from .threads import thread_room
 
 if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor
@@ -41,7 +44,7 @@ class ChunkBuffers:
     writes anything); their pages are only touched where bytes go through them, so a run whose bytes are
     all copied inside the kernel leaves them untouched. Nothing here needs numpy or torch until a cast.
 
-    Memory: ``3 * chunk_bytes`` (plus 832 KiB of scratch once a cast runs), whatever the dtypes and
+    Memory: ``3 * chunk_bytes`` (plus the cast scratch once a cast runs), whatever the dtypes and
     tensor sizes.
     """
 
@@ -84,39 +87,15 @@ class ChunkBuffers:
             self._zeroed = nbytes
         return memoryview(self._cast)[:nbytes]
 
-    def cast(self, src: memoryview, src_dtype: str, dtype: str, n: int) -> memoryview:
-        """``n`` elements of ``src`` (of ``src_dtype``) cast to ``dtype`` into the cast buffer; the result's bytes."""
-        parts = self.cast_parts(src, src_dtype, dtype, n)
-        try:
-            for _ in parts:
-                pass
-        finally:
-            parts.close()
-        return memoryview(self._cast)[:n * itemsize(dtype)]
-
-    def cast_parts(self, src: memoryview, src_dtype: str, dtype: str, n: int) -> Iterator[memoryview]:
-        """:meth:`cast` in parts, each yielded as soon as it is cast, in order: a long cast between float32,
-        bfloat16 and float16 is split in two when the process's cast helper (:class:`CastHelper`) is free,
-        its second half cast there while this thread casts the first, which the caller can write meanwhile.
-        Close the iterator when done (it waits for the helper)."""
-        out = self.cast_view(dtype, n)
-        helper = CastHelper.get() if n >= 2 * CAST_SPLIT_MIN and src_dtype != dtype else None
-        if helper is None or not helper.lock.acquire(blocking=False):
-            cast_bytes(src, src_dtype, out, dtype, self)
-            yield out
-            return
-        try:
-            half = (n // 2 + 63) // 64 * 64
-            a, b = half * itemsize(src_dtype), half * itemsize(dtype)
-            fut = helper.pool.submit(cast_bytes, src[a:], src_dtype, out[b:], dtype, helper)
-            try:
-                cast_bytes(src[:a], src_dtype, out[:b], dtype, self)
-                yield out[:b]
-            finally:
-                fut.result()
-            yield out[b:]
-        finally:
-            helper.lock.release()
+    def lane(self, slot: int, lane: int, read_bytes: int, out_bytes: int) -> tuple[memoryview, memoryview]:
+        """Thread ``lane``'s (0 or 1) stretches of read buffer ``slot`` (``read_bytes``) and of the cast
+        buffer (``out_bytes``), each at most half a buffer, for :func:`~ckptlib.io.castcopy.cast_pieces`."""
+        half = self.chunk_bytes // 2
+        if max(read_bytes, out_bytes) > half or lane not in (0, 1):
+            raise ValueError(f"a lane holds at most {half} bytes")
+        self._zeroed = 0
+        at = lane * half
+        return memoryview(self._read[slot])[at:at + read_bytes], memoryview(self._cast)[at:at + out_bytes]
 
     @property
     def scratch(self):
@@ -189,24 +168,6 @@ def _private_map(nbytes: int) -> mmap.mmap:
     return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
-def cast_bytes(src: memoryview, src_dtype: str, out: memoryview, dtype: str, bufs: Optional[ChunkBuffers] = None) -> None:
-    """Write the elements in ``src`` (of ``src_dtype``) into ``out`` as ``dtype``, bit for bit as torch casts:
-    :mod:`ckptlib.io.casting` for float32/bfloat16/float16 (and same-dtype copies), torch for other pairs.
-    Memory: the scratch of ``bufs`` (or one made for the call)."""
-    from .casting import can_cast, cast
-
-    if can_cast(src_dtype, dtype):
-        cast(src, src_dtype, out, dtype, bufs.scratch if bufs is not None else None)
-        return
-    # a pair ckptlib.io.casting does not do (float64, integers to floats): torch's own cast
-    torch = import_torch(f"casting {src_dtype} to {dtype}")
-
-    n = src.nbytes // itemsize(src_dtype)
-    if n:
-        dst = torch.frombuffer(out, dtype=torch_dtype(dtype), count=n)
-        dst.copy_(torch.frombuffer(src, dtype=torch_dtype(src_dtype), count=n))
-
-
 #: a same-dtype range at least this long goes file to file inside the kernel (``copy_from``) when the sink can;
 #: shorter ones (the rows of an interleaved tensor-parallel join, say) are gathered into one buffer with their
 #: neighbours and written at once: one write per chunk instead of a copy per piece
@@ -275,6 +236,7 @@ def copy_ranges(ranges: Sequence, dtype: str, sink, bufs: ChunkBuffers, files: S
     reads = [i for i, it in enumerate(items) if it[0] == "read"]
     ahead: dict[int, Any] = {}
     want_crc = getattr(sink, "takes_crc", False)
+    pieces = hasattr(sink, "put")  # casts go piece by piece (cast_pieces) into a sink that writes at positions
     size = itemsize(dtype)
 
     def view(k: int):  # (ranges, read buffer, whether to take the CRC-32 beside the read: not before a cast)
@@ -282,9 +244,11 @@ def copy_ranges(ranges: Sequence, dtype: str, sink, bufs: ChunkBuffers, files: S
         src = gather[0].dtype
         return gather, bufs.read_view(src, sum(r.count for r in gather), k % 2), want_crc and src == dtype, drop_cache
 
-    def inline(k: int) -> bool:  # a few short ranges in the output dtype: read when written, no read-ahead
-        gather = items[reads[k]][1]
-        return gather[0].dtype == dtype and sum(r.nbytes for r in gather) < KERNEL_COPY_MIN_BYTES
+    def inline(k: int) -> bool:  # a few short ranges in the output dtype: read when written, no read-ahead;
+        gather = items[reads[k]][1]  # a cast, piece by piece in cast_pieces
+        if gather[0].dtype != dtype:
+            return pieces
+        return sum(r.nbytes for r in gather) < KERNEL_COPY_MIN_BYTES
 
     def submit(k: int) -> None:  # start reading the k-th buffered chunk into slot k % 2
         if k < len(reads) and not inline(k):
@@ -305,20 +269,21 @@ def copy_ranges(ranges: Sequence, dtype: str, sink, bufs: ChunkBuffers, files: S
                 nbytes = r.nbytes
             else:
                 gather = it[1]
-                chunk, crc, _ = ahead.pop(i).result() if i in ahead else _read_gather(files, *view(k))
                 count = sum(r.count for r in gather)
-                submit(k + 1)  # into the other slot, whose chunk is written
-                if gather[0].dtype != dtype:
-                    parts = bufs.cast_parts(chunk, gather[0].dtype, dtype, count)
-                    try:
-                        for part in parts:  # the first part is written while the second is cast
-                            sink.write(part, None) if want_crc else sink.write(part)
-                    finally:
-                        parts.close()
-                elif want_crc:
-                    sink.write(chunk, crc)
+                if gather[0].dtype != dtype and pieces:
+                    submit(k + 1)
+                    cast_pieces(gather, dtype, sink, bufs, files, k % 2, drop_cache)
                 else:
-                    sink.write(chunk)
+                    chunk, crc, _ = ahead.pop(i).result() if i in ahead else _read_gather(files, *view(k))
+                    submit(k + 1)  # into the other slot, whose chunk is written
+                    if gather[0].dtype != dtype:
+                        out = bufs.cast_view(dtype, count)
+                        cast_bytes(chunk, gather[0].dtype, out, dtype, bufs.scratch)
+                        sink.write(out, None) if want_crc else sink.write(out)
+                    elif want_crc:
+                        sink.write(chunk, crc)
+                    else:
+                        sink.write(chunk)
                 k += 1
                 nbytes = count * size
             if drop_cache and it[0] == "copy":
@@ -332,29 +297,9 @@ def copy_ranges(ranges: Sequence, dtype: str, sink, bufs: ChunkBuffers, files: S
 
 
 def _read_gather(files: SourceFiles, gather: Sequence, out: memoryview, crc: bool, drop: bool = False) -> tuple:
-    """Read the ranges ``gather`` back to back into ``out`` (in the read-ahead thread); returns ``out``, its
-    CRC-32 with ``crc`` (else None) and the ``(path, offset, nbytes)`` spans read, whose page-cache pages
-    are released (``drop``) as soon as they are read. The ranges of one file
-    that continue each other there (the rows of a tensor-parallel shard, interleaved with another shard's
-    in ``out``) are one span, read by one scatter read."""
-    runs: dict[str, list] = {}  # path -> [[file offset, end, [buffers]], ...]
-    pos = 0
-    for r in gather:
-        n = r.nbytes
-        mine = runs.setdefault(r.path, [])
-        if mine and mine[-1][1] == r.offset:
-            mine[-1][1] += n
-            mine[-1][2].append(out[pos:pos + n])
-        else:
-            mine.append([r.offset, r.offset + n, [out[pos:pos + n]]])
-        pos += n
-    spans = []
-    for path, mine in runs.items():
-        for start, end, views in mine:
-            files.read_scattered(path, start, views)
-            spans.append((path, start, end - start))
-            if drop:  # the bytes are in ``out`` now: their pages are not needed again
-                files.drop_cache(path, start, end - start)
+    """:meth:`SourceFiles.read_gather` (in the read-ahead thread); returns ``out``, its CRC-32 with ``crc``
+    (else None) and the spans read."""
+    spans = files.read_gather(gather, out, drop)
     return out, (zlib.crc32(out) if crc else None), spans
 
 
@@ -373,7 +318,7 @@ def fill_bytes(ranges: Sequence, dtype: str, files: SourceFiles, out: memoryview
         else:
             tmp = memoryview(bytearray(r.nbytes))
             files.read_into(r.path, r.offset, tmp)
-            cast_bytes(tmp, r.dtype, dst, dtype, bufs)
+            cast_bytes(tmp, r.dtype, dst, dtype, bufs.scratch if bufs is not None else None)
         pos += n
 
 

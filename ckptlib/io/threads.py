@@ -2,8 +2,8 @@
 
 - :func:`thread_room`: whether there is memory for one more thread (its stack and Python's state), checked
   before a read-ahead or cast thread starts;
-- :class:`CastHelper`: one thread per process that casts the second half of long casts, so a cast runs on
-  two cores (:meth:`ckptlib.io.streaming.ChunkBuffers.cast_parts`).
+- :class:`CastHelper`: one thread per process that takes pieces of a cast beside the writing thread, so a
+  cast runs on two cores (:func:`ckptlib.io.castcopy.cast_pieces`).
 """
 from __future__ import annotations
 
@@ -31,19 +31,17 @@ def thread_room() -> None:
 
 
 _HELPER_LOCK = threading.Lock()
-#: a cast of at least twice this many elements is split over two threads (when there are two cores)
-CAST_SPLIT_MIN = 1 << 18
 
 
 class CastHelper:
-    """One thread per process that casts the second half of long casts
-    (:meth:`~ckptlib.io.streaming.ChunkBuffers.cast_parts`), with a scratch of its own, so a run's casts use
-    two cores (numpy releases the GIL in the kernels). At most one cast at a time (``lock``): a writing
-    thread that finds it busy casts all of its chunk itself, so several writing threads never queue behind
-    it. Made on first use when the process may run on two cores or more and there is room for a thread
+    """One thread per process that reads, casts and writes pieces of a chunk beside the writing thread
+    (:func:`~ckptlib.io.castcopy.cast_pieces`), with a scratch of its own, so a run's casts use two cores
+    (numpy releases the GIL in the kernels, the reads and writes release it too). It serves one chunk at a
+    time (``lock``): a writing thread that finds it busy does all of its chunk itself, so several writing
+    threads never queue behind it. Made on first use when the process may run on two cores or more and there is room for a thread
     (:func:`thread_room`); else there is none and casts stay in one thread.
 
-    Memory: a thread (its stack) and a cast scratch of 832 KiB, once per process."""
+    Memory: a thread (its stack) and a cast scratch (:class:`~ckptlib.io.casting.Scratch`), once per process."""
 
     _made = False
     _helper: Optional["CastHelper"] = None
@@ -80,4 +78,4 @@ class CastHelper:
         return cls()
 
 
-__all__ = ["THREAD_EXTRA_BYTES", "thread_room", "CAST_SPLIT_MIN", "CastHelper"]
+__all__ = ["THREAD_EXTRA_BYTES", "thread_room", "CastHelper"]

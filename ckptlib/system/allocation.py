@@ -6,6 +6,7 @@ and ``ulimit -v``). Memory: none.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any, Optional, Union
 
 from ..errors import CkptError, OutOfMemoryError
@@ -25,8 +26,26 @@ def is_allocation_failure(error: Union[BaseException, str]) -> bool:
         return True
     if isinstance(error, OSError) and error.errno == 12:  # ENOMEM
         return True
+    if isinstance(error, SyntaxError):
+        return compile_ran_out(error)
     text = str(error).lower()
     return (isinstance(error, (str, RuntimeError, ImportError))) and any(s in text for s in _ALLOCATION_FAILED)
+
+
+#: ckptlib's own sources (the package folder)
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: how close to its memory limit a process is when a compile's failed allocation shows as a SyntaxError
+COMPILE_ROOM_BYTES = 4 * 2**20
+
+
+def compile_ran_out(error: SyntaxError) -> bool:
+    """Whether a ``SyntaxError`` is CPython's compiler running out of memory on one of ckptlib's own modules
+    (imported late, by a command). Under a data-segment limit its parser reports a failed allocation as a
+    syntax error: measured, ``expected ':'`` at a ``def`` line of ``ckptlib/io/streaming.py`` (a file that
+    compiles) under ``ulimit -d`` 10,192 KiB. So: a file of this package, and less than
+    :data:`COMPILE_ROOM_BYTES` left; any other syntax error is what it says."""
+    path = os.path.abspath(getattr(error, "filename", None) or "")
+    return path.startswith(_PACKAGE + os.sep) and system_memory().headroom < COMPILE_ROOM_BYTES
 
 
 @contextlib.contextmanager
@@ -40,7 +59,7 @@ def translating_allocation_failures(plan: Any, path: Any = None):
             raise
         raise OutOfMemoryError(out_of_memory_message(plan.predicted_peak_bytes, f"this {plan.action}"),
                                path=path) from None
-    except (MemoryError, RuntimeError, OSError, ImportError) as e:
+    except (MemoryError, RuntimeError, OSError, ImportError, SyntaxError) as e:
         if not is_allocation_failure(e):
             raise
         raise OutOfMemoryError(out_of_memory_message(plan.predicted_peak_bytes, f"this {plan.action}"),
