@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Hashable, Optional
 
 from ..layout.placement import Block, row_major_strides, runs
-from ..layout.ranges import range_starts, slice_ranges
+from ..layout.ranges import StoredRange, range_starts, slice_ranges
 from .records import BufferInfo, NameIndex, ParameterInfo
 
 #: resolves a block's source (and an optimizer state key, None for the weight) to its local range list
@@ -91,12 +91,17 @@ class ModelView:
             return list(self.resolve(blocks[0].source, key))
         local: dict = {}  # source -> (its ranges, where each starts): each run is found by binary search
         out: list = []
-        for r in runs(blocks, numel, owner):
-            if r.source not in local:
-                ranges = self.resolve(r.source, key)
-                local[r.source] = (ranges, range_starts(ranges))
-            ranges, starts = local[r.source]
-            out += slice_ranges(ranges, r.local_start, r.count, starts)
+        for _, count, source, at in runs(blocks, numel, owner):
+            got = local.get(source)
+            if got is None:
+                ranges = self.resolve(source, key)
+                one = _one_stored(ranges)
+                got = local[source] = (ranges, range_starts(ranges), one, one.itemsize if one else 0)
+            one = got[2]
+            if one is not None and at + count <= one.count:  # the source is one stored range: no search
+                out.append(StoredRange(one.path, one.offset + at * got[3], one.dtype, count))
+            else:
+                out += slice_ranges(got[0], at, count, got[1])
         return out
 
     def replica_checks(self, name: str, key: Optional[str] = None) -> list[tuple[str, list, list]]:
@@ -124,6 +129,11 @@ class ModelView:
         if isinstance(source, tuple) and len(source) == 2:
             return self.set_labels.get(source[0]) or f"mp rank {source[0]}"
         return str(source)
+
+
+def _one_stored(ranges: list):
+    """The one stored range ``ranges`` is made of, or None."""
+    return ranges[0] if len(ranges) == 1 and isinstance(ranges[0], StoredRange) else None
 
 
 def _whole(b: Block, shape: tuple) -> bool:

@@ -1,7 +1,7 @@
 """The one runner: executes any plan (export, reshard, universal) into an atomic output folder.
 
 :func:`run` checks that the source is unchanged since the plan was made, watches the process's memory,
-writes the plan's files into a hidden temporary sibling of the output folder (with the plan's
+compares the copies the plan says must be equal (in a thread beside the writing), writes the plan's files into a hidden temporary sibling of the output folder (with the plan's
 ``workers`` as threads, or as processes that each receive the pickled plan), then its text finals
 (``latest`` last), and renames the folder into place; any failure or a cancel leaves nothing behind.
 Progress goes to an :class:`~ckptlib.progress.Observer`; every run returns a :class:`RunResult` with
@@ -18,11 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from ..errors import IncompleteCheckpointError
+from ..errors import Cancelled, IncompleteCheckpointError
 from ..io.crc import describe_mismatch, verify_entries
 from ..io.output import AtomicOutputDir, reporting_failures
 from ..io.sources import SourceFiles, check_unchanged
 from ..io.streaming import first_difference, load_cast_kernels
+from ..io.threads import thread_room
 from ..plan import PROCESSES, Plan
 from ..progress import Observer, check_cancel, progress_to
 from ..system.allocation import translating_allocation_failures
@@ -85,18 +86,27 @@ def run(plan: Plan, observer: Optional[Observer] = None, cancel: Any = None) -> 
             if needs_cast_kernels(plan):  # numpy, loaded (or refused for want of memory) before anything is written
                 load_cast_kernels()
             verify_source_crcs(plan, cancel)
-            compare_copies(plan, cancel)
-            with AtomicOutputDir(plan.out, source=plan.source.save_dir, overwrite=plan.overwrite,
-                                 sync=plan.sync) as tmp:
-                prepare(plan, tmp)
-                if plan.parallel == PROCESSES and plan.workers > 1:
-                    from .processes import write_in_processes  # multiprocessing, loaded only for worker processes
+            checks = CopiesCheck(plan, cancel)
+            try:
+                with AtomicOutputDir(plan.out, source=plan.source.save_dir, overwrite=plan.overwrite,
+                                     sync=plan.sync) as tmp:
+                    prepare(plan, tmp)
+                    stop = AnyOf(cancel, checks.failed)  # a difference found stops the writing too
+                    try:
+                        if plan.parallel == PROCESSES and plan.workers > 1:
+                            from .processes import write_in_processes  # multiprocessing, only for worker processes
 
-                    read = write_in_processes(plan, tmp, observer, cancel)
-                else:
-                    read = write_in_threads(plan, units(plan), tmp, observer, cancel, plan.workers)
-                write_finals(plan, tmp)
-                check_cancel(cancel)
+                            read = write_in_processes(plan, tmp, observer, stop)
+                        else:
+                            read = write_in_threads(plan, units(plan), tmp, observer, stop, plan.workers)
+                    except Cancelled:
+                        checks.result()  # when a difference stopped the writing, that is the error
+                        raise
+                    checks.result()  # before anything is put in place
+                    write_finals(plan, tmp)
+                    check_cancel(cancel)
+            finally:
+                checks.close()
     result = finished(plan, time.perf_counter() - t0, read, watch.report)
     observer.on_finish(result)
     return result
@@ -120,8 +130,58 @@ def verify_source_crcs(plan: Plan, cancel: Any = None) -> None:
             hint="copy the files named again from the original, or use another tag; nothing was written")
 
 
-def compare_copies(plan: Plan, cancel: Any = None) -> None:
-    """Run the plan's range checks (copies that must be equal) before anything is written.
+#: the copies check beside the writing reads in pieces of this size: its two buffers are within the run's
+#: fixed allowance (``FIXED_OVERHEAD_BYTES``), not more chunks, and stay in the cache while compared
+CHECK_PIECE_BYTES = 2**20
+
+
+class CopiesCheck:
+    """The plan's range checks (:func:`compare_copies`) in a thread of their own, beside the writing. A
+    difference sets ``failed`` (the writing stops at its next chunk) and :meth:`result` raises it before the
+    output is put in place, so the run ends as if the check had come first: one message, nothing written.
+    Without room for a thread (:func:`~ckptlib.io.threads.thread_room`) the checks run here, first.
+
+    Memory: a thread and two pieces of :data:`CHECK_PIECE_BYTES`."""
+
+    def __init__(self, plan: Plan, cancel: Any = None):
+        self.failed, self._stop = threading.Event(), threading.Event()
+        self._error: Optional[BaseException] = None
+        self._thread: Optional[threading.Thread] = None
+        if not plan.checks:
+            return
+        try:
+            thread_room()
+        except MemoryError:
+            compare_copies(plan, cancel)
+            return
+        self._thread = threading.Thread(target=self._check, args=(plan, AnyOf(cancel, self._stop)),
+                                        name="ckptlib-check", daemon=True)
+        self._thread.start()
+
+    def _check(self, plan: Plan, cancel: Any) -> None:
+        try:
+            compare_copies(plan, cancel, CHECK_PIECE_BYTES)
+        except BaseException as e:  # raised in the run's thread by result()
+            self._error = e
+            self.failed.set()
+
+    def result(self) -> None:
+        """Wait for the checks; raise what they found."""
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+    def close(self) -> None:
+        """Stop the checks (at their next piece) and wait for them."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+def compare_copies(plan: Plan, cancel: Any = None, chunk_bytes: Optional[int] = None) -> None:
+    """Run the plan's range checks (copies that must be equal), reading ``chunk_bytes`` of each copy at a
+    time (the plan's chunk by default).
 
     Raises:
         IncompleteCheckpointError: two copies differ (naming them and the first element that differs).
@@ -130,7 +190,7 @@ def compare_copies(plan: Plan, cancel: Any = None) -> None:
         return
     with SourceFiles() as files:
         for c in plan.checks:
-            at = first_difference(c.a, c.b, c.dtype, files, plan.chunk_bytes, cancel)
+            at = first_difference(c.a, c.b, c.dtype, files, chunk_bytes or plan.chunk_bytes, cancel)
             if at is not None:
                 proof = " master" in c.what  # a value proof (ZeRO-0's unnamed optimizer entries)
                 raise IncompleteCheckpointError(

@@ -26,7 +26,7 @@ import zlib
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from ..dtypes import TORCH_TENSORS, import_torch, itemsize, torch_dtype
-from ..layout.ranges import StoredRange, Zeros, numel, slice_ranges
+from ..layout.ranges import StoredRange, Zeros, numel, range_starts, slice_ranges
 from ..plan import DEFAULT_CHUNK_BYTES, FIXED_OVERHEAD_BYTES, predicted_peak_bytes
 from ..progress import check_cancel
 from .sources import SourceFiles
@@ -325,7 +325,9 @@ def fill_bytes(ranges: Sequence, dtype: str, files: SourceFiles, out: memoryview
 def first_difference(a: Sequence, b: Sequence, dtype: str, files: SourceFiles,
                      chunk_bytes: int = DEFAULT_CHUNK_BYTES, cancel: Any = None) -> Optional[int]:
     """The first element where ranges ``a`` and ``b`` (both read as ``dtype``) differ bit for bit, or None
-    when they are equal (also in length). Memory: two chunks of ``chunk_bytes``. No torch."""
+    when they are equal (also in length). Ranges stored in ``dtype`` are read by scatter reads
+    (:meth:`SourceFiles.read_gather`); the bytes are compared eight at a time. Memory: two chunks of
+    ``chunk_bytes``. No torch."""
     import numpy as np
 
     n = numel(a)
@@ -334,13 +336,23 @@ def first_difference(a: Sequence, b: Sequence, dtype: str, files: SourceFiles,
     size = itemsize(dtype)
     step = max(1, chunk_bytes // size)
     x, y = (np.empty(min(step, n) * size, dtype=np.uint8) for _ in range(2))
+    starts = [range_starts(a), range_starts(b)]
+
+    def fill(ranges: Sequence, at: list, pos: int, k: int, out) -> None:
+        part = slice_ranges(ranges, pos, k, at)
+        if all(isinstance(r, StoredRange) and r.dtype == dtype for r in part):
+            files.read_gather(part, memoryview(out))
+        else:
+            fill_bytes(part, dtype, files, memoryview(out))
+
     for pos in range(0, n, step):
         check_cancel(cancel)
         k = min(step, n - pos)
         xs, ys = x[:k * size], y[:k * size]
-        fill_bytes(slice_ranges(a, pos, k), dtype, files, memoryview(xs))
-        fill_bytes(slice_ranges(b, pos, k), dtype, files, memoryview(ys))
-        if not np.array_equal(xs, ys):
+        fill(a, starts[0], pos, k, xs)
+        fill(b, starts[1], pos, k, ys)
+        wide = np.uint64 if xs.nbytes % 8 == 0 else np.uint8
+        if not np.array_equal(xs.view(wide), ys.view(wide)):
             return pos + int(np.flatnonzero(xs != ys)[0]) // size
     return None
 

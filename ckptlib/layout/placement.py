@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Hashable, Optional, Sequence
+from operator import itemgetter
+from typing import Hashable, NamedTuple, Optional, Sequence
 
 
 def row_major_strides(shape: Sequence[int]) -> tuple:
@@ -43,10 +44,10 @@ class Block:
         return math.prod(self.shape)
 
 
-@dataclass(frozen=True)
-class Run:
+class Run(NamedTuple):
     """``count`` consecutive elements of the full tensor from ``full_start`` are ``count`` consecutive
-    elements of ``source`` (flattened) from ``local_start``."""
+    elements of ``source`` (flattened) from ``local_start``. (A named tuple: a row-split tensor has one run
+    per row and shard, tens of thousands in a model, and planning makes them all.)"""
 
     full_start: int
     count: int
@@ -66,15 +67,19 @@ def _block_runs(b: Block) -> list[Run]:
         k -= 1
     if k == n:  # not even the last dimension is consecutive: runs of one element
         run = 1
-    out = []
     outer = shape[:k]
+    src, fo0, lo0 = b.source, b.full_offset, b.local_offset
+    if k == 1:  # one outer dimension (the rows of a row-split matrix): an arithmetic progression
+        f, l = fs[0], ls[0]
+        return [Run(fo0 + i * f, run, src, lo0 + i * l) for i in range(outer[0])]
+    out = []
     for flat in range(math.prod(outer) if outer else 1):
-        fo, lo, rest = b.full_offset, b.local_offset, flat
+        fo, lo, rest = fo0, lo0, flat
         for d in range(k - 1, -1, -1):
             rest, i = divmod(rest, outer[d])
             fo += i * fs[d]
             lo += i * ls[d]
-        out.append(Run(fo, run, b.source, lo))
+        out.append(Run(fo, run, src, lo))
     return out
 
 
@@ -84,19 +89,22 @@ def runs(blocks: Sequence[Block], numel: int, what: str = "the tensor") -> list[
     Raises:
         ValueError: the blocks leave a gap or overlap (naming ``what`` and the first element concerned).
     """
-    all_runs = sorted((r for b in blocks for r in _block_runs(b)), key=lambda r: r.full_start)
+    all_runs = sorted((r for b in blocks for r in _block_runs(b)), key=itemgetter(0))
     out: list[Run] = []
     pos = 0
     for r in all_runs:
-        if r.full_start != pos:
-            kind = "overlap" if r.full_start < pos else "gap"
-            raise ValueError(f"the placement of {what} has a {kind} at element {min(pos, r.full_start)}")
-        if out and out[-1].source == r.source and out[-1].local_start + out[-1].count == r.local_start:
+        start, count, source, local = r
+        if start != pos:
+            kind = "overlap" if start < pos else "gap"
+            raise ValueError(f"the placement of {what} has a {kind} at element {min(pos, start)}")
+        if out:
             last = out[-1]
-            out[-1] = Run(last.full_start, last.count + r.count, last.source, last.local_start)
-        else:
-            out.append(r)
-        pos += r.count
+            if last[2] == source and last[3] + last[1] == local:
+                out[-1] = Run(last[0], last[1] + count, source, last[3])
+                pos += count
+                continue
+        out.append(r)
+        pos += count
     if pos != numel:
         raise ValueError(f"the placement of {what} covers {pos} of its {numel} elements")
     return out
