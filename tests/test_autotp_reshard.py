@@ -186,7 +186,8 @@ def test_the_split_rule_is_deepspeeds_own():
     assert n > 2000
 
 
-@pytest.mark.parametrize("case", ["more-ranks-than-kv-heads", "no-model-config", "wrong-model-config"])
+@pytest.mark.parametrize("case", ["more-ranks-than-kv-heads", "no-model-config", "wrong-model-config",
+                                  "kv-heads-that-split-alike", "no-head-size"])
 def test_what_autotp_cannot_hold_is_refused_before_anything_is_written(parallel_fixtures, tmp_path, case):
     fx = parallel_fixtures["autotp_tp2_dp1_z1_bf16"]
     out = tmp_path / "out"
@@ -197,10 +198,20 @@ def test_what_autotp_cannot_hold_is_refused_before_anything_is_written(parallel_
                  "4 key-value heads"]
     elif case == "no-model-config":
         args, words = ["--tp", "4"], ["key-value heads", "--model-config"]
-    else:  # one key-value head: AutoTP would have given tp rank 1 of the source no query rows, not what it recorded
-        bad = tmp_path / "bad.json"
-        bad.write_text(json.dumps(dict(fx["model_config"], num_key_value_heads=1)))
+    elif case == "wrong-model-config":  # one key-value head: AutoTP would have given tp rank 1 of the source no
+        bad = tmp_path / "bad.json"  # query rows, not what it recorded
+        bad.write_text(json.dumps(dict(fx["model_config"], num_key_value_heads=1, head_dim=32)))  # k_proj's rows
         args, words = ["--tp", "4", "--model-config", bad], ["the checkpoint's affine_map records", "cannot tell"]
+    elif case == "kv-heads-that-split-alike":  # 8 where the model has 4: the source's tp-2 split is the same, and
+        bad = tmp_path / "bad.json"  # so is tp 4's, but tp 3's would not be
+        bad.write_text(json.dumps(dict(fx["model_config"], num_key_value_heads=8)))
+        args = ["--tp", "3", "--model-config", bad]
+        words = ["model.layers.0.self_attn.k_proj.weight: 32 rows", "8 key-value heads of 8 (64 rows)",
+                 "not this model's"]
+    else:
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps({k: v for k, v in fx["model_config"].items() if k != "hidden_size"}))
+        args, words = ["--tp", "4", "--model-config", bad], ["no head size", "k_proj"]
     code, stdout, err = _cli("reshard", fx["checkpoint_path"], out, "--world-size", "1", *args)
     assert_refused(code, stdout, err, words, out)
 

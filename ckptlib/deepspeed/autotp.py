@@ -83,6 +83,21 @@ def geometry_from_config(config: dict, ds_config: Optional[dict], origin: str) -
     return AutoTPGeometry(kv_heads=kv, grain=grain, origin=origin)
 
 
+def head_dim_of(config: dict) -> Optional[int]:
+    """The attention head size of an HF model ``config``: ``head_dim``, else ``hidden_size`` over
+    ``num_attention_heads`` (None when neither gives a positive integer)."""
+    text = config.get("text_config")
+    if isinstance(text, dict):
+        config = text
+    dim = config.get("head_dim")
+    if isinstance(dim, int) and dim > 0:
+        return dim
+    hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and hidden % heads == 0 and hidden > 0:
+        return hidden // heads
+    return None
+
+
 def read_model_config(path: os.PathLike) -> dict:
     """A parsed HF ``config.json`` (``path``: the file or the folder holding it)."""
     p = os.fspath(path)
@@ -157,5 +172,5 @@ def affine_entry(shape: tuple, dim: Optional[int], sizes: list[int], tp: int) ->
     return {"logical_shape": list(shape), "ranks": ranks}
 
 
-__all__ = ["AutoTPGeometry", "geometry_from_config", "read_model_config", "contiguous_split", "affine_entry",
+__all__ = ["AutoTPGeometry", "geometry_from_config", "head_dim_of", "read_model_config", "contiguous_split", "affine_entry",
            "CONFIG_NAME"]

@@ -15,7 +15,7 @@ from typing import Optional, Union
 
 from ..deepspeed import Checkpoint, SplitRules
 from ..deepspeed.autotp import (CONFIG_NAME, HEAD_NAMES, AutoTPGeometry, affine_entry, contiguous_split,
-                                geometry_from_config, read_model_config)
+                                geometry_from_config, head_dim_of, read_model_config)
 from ..errors import UnsupportedCheckpointError
 
 ModelConfig = Union[str, os.PathLike, dict, None]
@@ -108,7 +108,30 @@ def autotp_target(ck: Checkpoint, tp: int, model_config: ModelConfig) -> Optiona
         config, origin = model_config, "the given model config"
     else:
         config, origin = read_model_config(model_config), os.fspath(model_config)
-    return AutoTPTarget(ck, recorded, geometry_from_config(config, ck.ds_config, origin))
+    geometry = geometry_from_config(config, ck.ds_config, origin)
+    _check_key_value_heads(ck, config, geometry)
+    return AutoTPTarget(ck, recorded, geometry)
+
+
+def _check_key_value_heads(ck: Checkpoint, config: dict, g: AutoTPGeometry) -> None:
+    """The config must be this model's: its key-value heads times its head size are the rows of every
+    ``k_proj`` weight. (A config that only agrees with the source's own split could still be wrong: 8
+    key-value heads where the model has 4 cut alike at 2 and 4 ranks, but not at 3.)"""
+    keys = [p for p in ck.view.parameters if p.name.endswith("k_proj.weight")]
+    head_dim = head_dim_of(config)
+    if not keys or head_dim is None or g.kv_heads is None:
+        what = ("the model has no k_proj layer" if not keys else
+                "the config gives no head size (head_dim, or hidden_size and num_attention_heads)" if head_dim is None
+                else "the config gives no key-value head count")
+        _refuse(ck, f"ckptlib checks the model config's key-value heads against the k_proj layers before cutting "
+                    f"for another tensor size, and {what} ({g.origin})",
+                hint="pass --model-config with the model's own HF config.json")
+    for p in keys:
+        rows = int(p.shape[0]) if p.shape else 0
+        if rows != g.kv_heads * head_dim:
+            _refuse(ck, f"{p.name}: {rows} rows, but {g.origin} gives {g.kv_heads} key-value heads of {head_dim} "
+                        f"({g.kv_heads * head_dim} rows): that config is not this model's, and AutoTP's split "
+                        "depends on it", hint="pass --model-config with the model's own HF config.json")
 
 
 __all__ = ["AutoTPTarget", "autotp_target"]
