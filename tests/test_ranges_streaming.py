@@ -133,3 +133,57 @@ def test_check_unchanged_notices_a_changed_or_vanished_file(tmp_path):
     f.unlink()
     with pytest.raises(IncompleteCheckpointError, match="gone since the plan"):
         check_unchanged(stamps)
+
+
+def test_first_differences_reads_the_first_copy_once_for_all_the_others(tmp_path):
+    """A tensor stored on several ranks is compared with its first copy in one pass: each other copy gets
+    the first element where it differs (0 for another length), None where it is equal, across chunks,
+    stored ranges split anywhere and zeros."""
+    from ckptlib.io.streaming import first_differences
+
+    n = 1000
+    base = torch.arange(n, dtype=torch.float32)
+    changed = base.clone()
+    changed[777] = -1.0
+    path = tmp_path / "copies.bin"
+    blobs = [base, base, changed, base[:400]]
+    offsets, data = [], b""
+    for t in blobs:
+        offsets.append(len(data))
+        data += t.numpy().tobytes()
+    path.write_bytes(data)
+
+    def stored(i, count, split=None):
+        if split is None:
+            return [StoredRange(str(path), offsets[i], "float32", count)]
+        return [StoredRange(str(path), offsets[i], "float32", split),
+                StoredRange(str(path), offsets[i] + 4 * split, "float32", count - split)]
+
+    a = stored(0, n, split=333)
+    others = [stored(1, n), stored(2, n, split=500), stored(3, 400), stored(1, n, split=7)]
+    zeros_a, zeros_b = [Zeros(10)], [Zeros(4), Zeros(6)]
+    reads_before = None
+    with SourceFiles() as files:
+        got = first_differences(a, others, "float32", files, chunk_bytes=256)
+        reads_before = files.stats.bytes_read
+        assert first_differences(zeros_a, [zeros_b], "float32", files) == [None]
+    assert got == [None, 777, 0, None]
+    # ``a`` once; the equal copies whole; the changed one up to the end of the chunk of 64 holding element 777
+    # (832 elements); the short one not at all
+    assert reads_before == 4 * (n + n + 832 + n)
+
+
+def test_kept_spans_keep_their_pages_when_the_rest_is_dropped(tmp_path, monkeypatch):
+    """SourceFiles.keep_cached: drop_cache leaves every span that touches a kept one (the copies a run
+    compares beside its writing) and drops the others."""
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(4096 * 8))
+    dropped = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: dropped.append((off, n)) or real(fd, off, n, advice))
+    with SourceFiles() as files:
+        files.read_into(str(path), 0, memoryview(bytearray(16)))  # opens it
+        files.keep_cached([(str(path), 4096, 100), (str(path), 0, 10)])
+        for off, n in [(10, 4086), (10, 4087), (4196, 4000), (8192, 100), (0, 1)]:
+            files.drop_cache(str(path), off, n)
+    assert dropped == [(10, 4086), (4196, 4000), (8192, 100)]

@@ -22,7 +22,7 @@ from ..errors import Cancelled, IncompleteCheckpointError
 from ..io.crc import describe_mismatch, verify_entries
 from ..io.output import AtomicOutputDir, reporting_failures
 from ..io.sources import SourceFiles, check_unchanged
-from ..io.streaming import first_difference, load_cast_kernels
+from ..io.streaming import first_differences, load_cast_kernels
 from ..io.threads import thread_room
 from ..plan import PROCESSES, Plan
 from ..progress import Observer, check_cancel, progress_to
@@ -179,6 +179,11 @@ class CopiesCheck:
             self._thread.join()
 
 
+def compared_spans(plan: Plan) -> list[tuple[str, int, int]]:
+    """The ``(path, offset, nbytes)`` of every stored range the plan's range checks read."""
+    return [(r.path, r.offset, r.nbytes) for c in plan.checks for r in (*c.a, *c.b) if hasattr(r, "path")]
+
+
 def compare_copies(plan: Plan, cancel: Any = None, chunk_bytes: Optional[int] = None) -> None:
     """Run the plan's range checks (copies that must be equal), reading ``chunk_bytes`` of each copy at a
     time (the plan's chunk by default).
@@ -188,10 +193,14 @@ def compare_copies(plan: Plan, cancel: Any = None, chunk_bytes: Optional[int] = 
     """
     if not plan.checks:
         return
+    groups: dict = {}  # (first copy, dtype) -> its checks: a tensor on several ranks is read once for all
+    for c in plan.checks:
+        groups.setdefault((c.a, c.dtype), []).append(c)
     with SourceFiles() as files:
-        for c in plan.checks:
-            at = first_difference(c.a, c.b, c.dtype, files, chunk_bytes or plan.chunk_bytes, cancel)
-            if at is not None:
+        for (a, dtype), group in groups.items():
+            found = first_differences(a, [c.b for c in group], dtype, files, chunk_bytes or plan.chunk_bytes, cancel)
+            c, at = next(((c, at) for c, at in zip(group, found) if at is not None), (None, None))
+            if c is not None:
                 proof = " master" in c.what  # a value proof (ZeRO-0's unnamed optimizer entries)
                 raise IncompleteCheckpointError(
                     f"{c.what} differ (first at element {at})" + (
@@ -218,6 +227,7 @@ def write_in_threads(plan: Plan, work: list[Unit], tmp: Path, observer: Observer
     that does not sync leaves to the kernel. Returns the bytes read from the source."""
     failed = threading.Event()
     files = SourceFiles()
+    files.keep_cached(compared_spans(plan))  # the copies compared beside the writing are read there too
     ctx = WriteContext(plan.chunk_bytes, files, progress or progress_to(observer, plan.write_bytes),
                        AnyOf(cancel, failed), observer, unsynced_budget(plan, processes_on_machine))
     try:

@@ -7,6 +7,8 @@ was made from (:func:`check_unchanged`).
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 import os
 import threading
 from typing import Iterable, Optional, Sequence
@@ -59,6 +61,8 @@ class SourceFiles:
         self.stats = stats or ReadStats()
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._keep: dict[str, list] = {}  # path -> sorted (start, end) spans whose pages stay cached
+        self._keep_ends: dict[str, list] = {}  # path -> running maximum of those ends
 
     def fd(self, path: str) -> int:
         fd = self._fds.get(path)
@@ -128,8 +132,28 @@ class SourceFiles:
         self.stats.add(nbytes)
         GLOBAL_STATS.add(nbytes)
 
+    def keep_cached(self, spans: Iterable[tuple[str, int, int]]) -> None:
+        """Never drop the page-cache pages of these ``(path, offset, nbytes)`` spans (:meth:`drop_cache` leaves
+        any span that touches them): another reader still needs them, e.g. the copies a run compares beside
+        its writing."""
+        for path, offset, nbytes in spans:
+            self._keep.setdefault(path, []).append((offset, offset + nbytes))
+        for path in self._keep:
+            self._keep[path].sort()
+            self._keep_ends[path] = list(itertools.accumulate((e for _, e in self._keep[path]), max))
+
+    def _kept(self, path: str, offset: int, nbytes: int) -> bool:
+        spans = self._keep.get(path)
+        if not spans:
+            return False
+        i = bisect.bisect_left(spans, (offset + nbytes,))  # the spans starting before this one ends
+        return i > 0 and self._keep_ends[path][i - 1] > offset  # ... the furthest of them reaches into it
+
     def drop_cache(self, path: str, offset: int, nbytes: int) -> None:
-        """Tell the kernel these bytes are not needed in the page cache any more."""
+        """Tell the kernel these bytes are not needed in the page cache any more (unless kept:
+        :meth:`keep_cached`)."""
+        if self._keep and self._kept(path, offset, nbytes):
+            return
         fd = self._fds.get(path)
         if fd is not None and nbytes > 0 and hasattr(os, "posix_fadvise"):
             try:

@@ -325,18 +325,28 @@ def fill_bytes(ranges: Sequence, dtype: str, files: SourceFiles, out: memoryview
 def first_difference(a: Sequence, b: Sequence, dtype: str, files: SourceFiles,
                      chunk_bytes: int = DEFAULT_CHUNK_BYTES, cancel: Any = None) -> Optional[int]:
     """The first element where ranges ``a`` and ``b`` (both read as ``dtype``) differ bit for bit, or None
-    when they are equal (also in length). Ranges stored in ``dtype`` are read by scatter reads
-    (:meth:`SourceFiles.read_gather`); the bytes are compared eight at a time. Memory: two chunks of
-    ``chunk_bytes``. No torch."""
+    when they are equal (also in length). Memory: two chunks of ``chunk_bytes``. No torch."""
+    return first_differences(a, [b], dtype, files, chunk_bytes, cancel)[0]
+
+
+def first_differences(a: Sequence, others: Sequence[Sequence], dtype: str, files: SourceFiles,
+                      chunk_bytes: int = DEFAULT_CHUNK_BYTES, cancel: Any = None) -> list[Optional[int]]:
+    """For each of ``others``, the first element where it differs from ``a`` bit for bit (both read as
+    ``dtype``; 0 when the lengths differ), or None where equal. ``a`` is read once for all of them (a
+    tensor stored on several ranks, compared with its first copy). Ranges stored in ``dtype`` are read by
+    scatter reads (:meth:`SourceFiles.read_gather`); the bytes are compared eight at a time. Memory: two
+    chunks of ``chunk_bytes``. No torch."""
     import numpy as np
 
     n = numel(a)
-    if numel(b) != n:
-        return 0
+    found: list[Optional[int]] = [None if numel(b) == n else 0 for b in others]
+    todo = [i for i, f in enumerate(found) if f is None]
+    if not todo or n == 0:
+        return found
     size = itemsize(dtype)
     step = max(1, chunk_bytes // size)
     x, y = (np.empty(min(step, n) * size, dtype=np.uint8) for _ in range(2))
-    starts = [range_starts(a), range_starts(b)]
+    starts = [range_starts(a)] + [range_starts(b) for b in others]
 
     def fill(ranges: Sequence, at: list, pos: int, k: int, out) -> None:
         part = slice_ranges(ranges, pos, k, at)
@@ -350,11 +360,15 @@ def first_difference(a: Sequence, b: Sequence, dtype: str, files: SourceFiles,
         k = min(step, n - pos)
         xs, ys = x[:k * size], y[:k * size]
         fill(a, starts[0], pos, k, xs)
-        fill(b, starts[1], pos, k, ys)
         wide = np.uint64 if xs.nbytes % 8 == 0 else np.uint8
-        if not np.array_equal(xs.view(wide), ys.view(wide)):
-            return pos + int(np.flatnonzero(xs != ys)[0]) // size
-    return None
+        for i in list(todo):
+            fill(others[i], starts[i + 1], pos, k, ys)
+            if not np.array_equal(xs.view(wide), ys.view(wide)):
+                found[i] = pos + int(np.flatnonzero(xs != ys)[0]) // size
+                todo.remove(i)
+        if not todo:
+            break
+    return found
 
 
 def read_ranges(ranges: Sequence, dtype: str, files: SourceFiles):
@@ -385,4 +399,4 @@ def _tensor_bytes(t) -> memoryview:
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "FIXED_OVERHEAD_BYTES", "predicted_peak_bytes", "ChunkBuffers", "load_cast_kernels",
            "openblas_threads",
-           "cast_bytes", "copy_ranges", "fill_bytes", "read_ranges", "first_difference"]
+           "cast_bytes", "copy_ranges", "fill_bytes", "read_ranges", "first_difference", "first_differences"]
