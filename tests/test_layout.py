@@ -185,3 +185,53 @@ def test_round_robin_reslice_n_to_m_to_n_is_identity(shapes, n, m):
     assert mid == bufs(b)
     assert [apply(reslice_by_params(b, a, r), mid) for r in range(n)] == src
     assert sorted(round_robin_order(len(natural), n)) == list(range(len(natural)))
+
+
+# ------------------------------------------------------------------------------ placement: blocks side by side
+from ckptlib.layout.placement import ROW, Block, blocks_from_rule, row_interleave, runs  # noqa: E402
+
+
+def _expanded(rows, columns):
+    """Runs as :func:`runs` gives them, from :func:`row_interleave`'s description."""
+    out, pos = [], 0
+    for i in range(rows):
+        for source, at, width, stride in columns:
+            out.append((pos, width, source, at + i * stride))
+            pos += width
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(rows=st.integers(1, 6), widths=st.lists(st.integers(1, 5), min_size=2, max_size=4),
+       pad=st.lists(st.integers(0, 3), min_size=4, max_size=4), offset=st.lists(st.integers(0, 7), min_size=4, max_size=4),
+       same_source=st.booleans(), data=st.data())
+def test_blocks_side_by_side_give_the_runs_of_the_general_tiling(rows, widths, pad, offset, same_source, data):
+    """row_interleave (planning a row-split tensor without sorting its runs) describes exactly what runs()
+    gives, for shards stored with padding between their rows and at any offset; anything it does not
+    describe (two neighbours of one source, a gap, an overlap, another row count) it leaves to runs()."""
+    full_width = sum(widths)
+    blocks, at = [], 0
+    for j, w in enumerate(widths):
+        source = "s" if same_source else f"s{j}"
+        blocks.append(Block(source, (rows, w), at, (full_width, 1), offset[j], (w + pad[j], 1)))
+        at += w
+    order = data.draw(st.permutations(blocks))
+    got = row_interleave(order, rows * full_width)
+    want = [tuple(r) for r in runs(order, rows * full_width)]
+    if same_source:
+        assert got is None
+    else:
+        assert got is not None and _expanded(*got) == want
+    broken = list(order)
+    b = broken[0]
+    broken[0] = Block(b.source, (rows + 1,) + b.shape[1:], b.full_offset, b.full_strides, b.local_offset, b.local_strides)
+    assert row_interleave(broken, rows * full_width) is None
+    shifted = [Block(x.source, x.shape, x.full_offset + (1 if x is order[-1] else 0), x.full_strides, x.local_offset,
+                     x.local_strides) for x in order]
+    assert row_interleave(shifted, rows * full_width) is None
+
+
+def test_a_row_rule_split_is_side_by_side():
+    full, blocks = blocks_from_rule(ROW, [(("t", 0), (4, 3)), (("t", 1), (4, 5))])
+    assert full == (4, 8)
+    assert row_interleave(blocks, 32) == (4, [(("t", 0), 0, 3, 3), (("t", 1), 0, 5, 5)])

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Optional
 
-from ..layout.placement import Block, row_major_strides, runs
+from ..layout.placement import Block, row_interleave, row_major_strides, runs
 from ..layout.ranges import StoredRange, range_starts, slice_ranges
 from .records import BufferInfo, NameIndex, ParameterInfo
 
@@ -89,6 +89,11 @@ class ModelView:
             numel *= s
         if len(blocks) == 1 and _whole(blocks[0], shape):
             return list(self.resolve(blocks[0].source, key))
+        side_by_side = row_interleave(blocks, numel)
+        if side_by_side is not None:
+            out = self._interleaved(*side_by_side, key)
+            if out is not None:
+                return out
         local: dict = {}  # source -> (its ranges, where each starts): each run is found by binary search
         out: list = []
         for _, count, source, at in runs(blocks, numel, owner):
@@ -103,6 +108,19 @@ class ModelView:
             else:
                 out += slice_ranges(got[0], at, count, got[1])
         return out
+
+    def _interleaved(self, rows: int, columns: list, key: Optional[str]) -> Optional[list]:
+        """The ranges of a tensor whose blocks lie side by side (:func:`row_interleave`), row by row, when each
+        block's source is one stored range that holds it; else None."""
+        cols = []
+        for source, at, width, stride in columns:
+            one = _one_stored(self.resolve(source, key))
+            if one is None or at + (rows - 1) * stride + width > one.count:
+                return None
+            size = one.itemsize
+            cols.append((one.path, one.offset + at * size, one.dtype, width, stride * size))
+        return [StoredRange(path, base + i * step, dtype, width)
+                for i in range(rows) for path, base, dtype, width, step in cols]
 
     def replica_checks(self, name: str, key: Optional[str] = None) -> list[tuple[str, list, list]]:
         """``(what, ranges, replica ranges)`` for every block of ``name`` stored more than once: the

@@ -110,6 +110,39 @@ def runs(blocks: Sequence[Block], numel: int, what: str = "the tensor") -> list[
     return out
 
 
+def row_interleave(blocks: Sequence[Block], numel: int) -> Optional[tuple[int, list[tuple]]]:
+    """``(rows, columns)`` when ``blocks`` tile a matrix side by side (a tensor split on dim 1, a row-parallel
+    weight): each block holds all ``rows`` rows of ``width`` consecutive elements of every full row, its own
+    rows ``local_stride`` apart in its source, the blocks edge to edge in ``full_offset`` order, neighbours
+    (the last and the first included) of different sources. ``columns`` are ``(source, local_offset, width,
+    local_stride)`` in that order, and :func:`runs` would give, row after row, each column's ``width``
+    elements from ``local_offset + row * local_stride``: nothing merges. None for anything else (then use
+    :func:`runs`), so a caller can make the tens of thousands of runs of such a tensor without sorting them."""
+    if len(blocks) < 2:
+        return None
+    rows = row_length = None
+    cols = []
+    for b in blocks:
+        if len(b.shape) != 2 or b.full_strides[1] != 1 or b.local_strides[1] != 1 or min(b.shape) < 1:
+            return None
+        if rows is None:
+            rows, row_length = b.shape[0], b.full_strides[0]
+        if b.shape[0] != rows or b.full_strides[0] != row_length:
+            return None
+        cols.append((b.full_offset, b.source, b.local_offset, b.shape[1], b.local_strides[0]))
+    cols.sort(key=itemgetter(0))
+    pos = 0
+    for off, _, _, width, _ in cols:
+        if off != pos:
+            return None
+        pos += width
+    if pos != row_length or rows * row_length != numel:
+        return None
+    if any(cols[j][1] == cols[j - 1][1] for j in range(len(cols))):  # j - 1 = -1: the last beside the first
+        return None
+    return rows, [c[1:] for c in cols]
+
+
 REPLICATED, COLUMN, ROW, VOCABULARY = "replicated", "column", "row", "vocabulary"
 
 
@@ -182,5 +215,5 @@ def shard_runs(full_shape: Sequence[int], dim: Optional[int], sizes: Sequence[in
     return local, [(o * step + first * inner, size * inner) for o in range(outer)]
 
 
-__all__ = ["Block", "Run", "runs", "blocks_from_rule", "row_major_strides", "REPLICATED", "COLUMN", "ROW",
+__all__ = ["Block", "Run", "runs", "row_interleave", "blocks_from_rule", "row_major_strides", "REPLICATED", "COLUMN", "ROW",
            "VOCABULARY", "even_sizes", "shard_runs"]
