@@ -11,7 +11,8 @@ the commands and the arguments the same way everywhere:
   so ``PYTHONPATH`` decides which ckptlib runs), :func:`zero_to_fp32`, :func:`ds_to_universal`: the
   commands of ckptlib and of DeepSpeed's tools;
 - :func:`baseline`: a process that only imports what a tool imports (what "over import baseline"
-  subtracts);
+  subtracts); :func:`import_baselines` and :func:`print_baselines` measure and show those of a run's tools;
+- :func:`fresh_output`: an emptied output folder, page cache dropped, before each timed run;
 - :func:`ratio`, :func:`mib`, :func:`table`: the markdown output.
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from procmon import RunStats, run  # noqa: E402
+from procmon import RunStats, drop_caches, run  # noqa: E402
 
 PY = sys.executable
 MIB = 2**20
@@ -129,6 +130,32 @@ def baseline(tool: str, env: Optional[dict] = None, tree: bool = False, launcher
     return run([PY, "-c", code], env=env, tree=tree)
 
 
+def import_baselines(tools: dict, env: Optional[dict] = None) -> dict:
+    """{label: peak RssAnon of the tool's import baseline} for ``tools`` {label: tool, or (tool, keyword
+    arguments of :func:`baseline`)}, measured in that order."""
+    out = {}
+    for label, tool in tools.items():
+        tool, kwargs = (tool, {}) if isinstance(tool, str) else tool
+        out[label] = baseline(tool, env=env, **kwargs).peak_anon
+    return out
+
+
+def print_baselines(bases: dict, note: str = "", what: str = "RssAnon") -> None:
+    """The line ``import baselines (RssAnon): ckptlib 250 MiB, DeepSpeed 400 MiB`` (``note`` appended)."""
+    print(f"import baselines ({what}): " + ", ".join(f"{label} {v / MIB:.0f} MiB" for label, v in bases.items())
+          + note)
+
+
+def fresh_output(out: Path, make: bool = True) -> Path:
+    """``out`` emptied (made again when ``make``; else the tool makes it) and the page cache dropped (when
+    allowed): what every timed run starts from."""
+    shutil.rmtree(out, ignore_errors=True)
+    if make:
+        out.mkdir()
+    drop_caches()
+    return out
+
+
 def check_ok(st: RunStats, what: str, ok_codes: Sequence[int] = (0,)) -> RunStats:
     """``st`` if its exit code is expected; else print the end of its output and stop the benchmark."""
     if st.returncode not in ok_codes:
@@ -158,5 +185,6 @@ def write_json(args: argparse.Namespace, raw) -> None:
         args.json.write_text(json.dumps(raw, indent=2, default=str))
 
 
-__all__ = ["PY", "MIB", "IMPORTS", "parser", "work_folder", "before_env", "bytecode_as_installed", "ckpt", "tag_of", "zero_to_fp32",
-           "ds_to_universal", "baseline", "check_ok", "ratio", "mib", "table", "write_json"]
+__all__ = ["PY", "MIB", "IMPORTS", "parser", "work_folder", "before_env", "bytecode_as_installed", "ckpt", "tag_of",
+           "zero_to_fp32", "ds_to_universal", "baseline", "import_baselines", "print_baselines", "fresh_output",
+           "check_ok", "ratio", "mib", "table", "write_json"]

@@ -24,8 +24,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MIB, PY, baseline, ds_to_universal, parser, work_folder  # noqa: E402
-from procmon import drop_caches, medians, run  # noqa: E402
+from common import (MIB, PY, ds_to_universal, fresh_output, import_baselines, parser, print_baselines,  # noqa: E402
+                    work_folder)
+from procmon import medians, run  # noqa: E402
 
 TORCHRUN = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
@@ -48,12 +49,12 @@ def main() -> int:
 def measure(args, work: Path) -> int:
     ckpt, m = args.checkpoints.resolve(), args.world_size
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    base = baseline("reshard", env=env).peak_anon
-    base_dist = baseline("ckptlib.cli, ckptlib.reshard, ckptlib.execute.distributed, torch.distributed, tqdm", env=env,
-                         tree=True, launcher=TORCHRUN).peak_anon
-    base_ds = baseline("ds_to_universal", env=env).peak_anon
-    print(f"import baselines (RssAnon of the tree): ckptlib {base / MIB:.0f} MiB, torchrun x2 ckptlib "
-          f"{base_dist / MIB:.0f} MiB, DeepSpeed {base_ds / MIB:.0f} MiB")
+    dist_imports = "ckptlib.cli, ckptlib.reshard, ckptlib.execute.distributed, torch.distributed, tqdm"
+    bases = import_baselines({"ckptlib": "reshard",
+                              "torchrun x2 ckptlib": (dist_imports, {"tree": True, "launcher": TORCHRUN}),
+                              "DeepSpeed": "ds_to_universal"}, env=env)
+    print_baselines(bases, what="RssAnon of the tree")
+    base, base_dist, base_ds = bases.values()
     import ckptlib
 
     with ckptlib.open_checkpoint(ckpt) as ck:
@@ -71,10 +72,7 @@ def measure(args, work: Path) -> int:
     checked = {}
     for r in range(args.rounds):
         for tool, spec in tools.items():
-            out = work / f"out-{list(tools).index(tool)}"
-            shutil.rmtree(out, ignore_errors=True)
-            out.mkdir()
-            drop_caches()
+            out = fresh_output(work / f"out-{list(tools).index(tool)}")
             if spec is None:
                 cmd = ds_to_universal(ckpt, out)
             else:

@@ -14,12 +14,12 @@ same rounds, right after the current one, to measure a change: its rows are mark
 """
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MIB, baseline, before_env, check_ok, ckpt, parser, work_folder, write_json, zero_to_fp32  # noqa: E402
+from common import (MIB, before_env, check_ok, ckpt, fresh_output, import_baselines, parser, print_baselines,  # noqa: E402
+                    ratio, work_folder, write_json, zero_to_fp32)
 from procmon import drop_caches, medians, run  # noqa: E402
 
 #: the anchor, ckptlib's default run (same output, on disk before it appears), the same without waiting for
@@ -53,19 +53,15 @@ def measure(args, work: Path) -> int:
         for t in [t for t in TOOLS if t != "ds"]:
             tools[f"{t}@before"] = TOOLS[t]
             LABELS[f"{t}@before"] = LABELS[t] + " (before)"
-    base_ck = baseline("export").peak_anon
-    base_ds = baseline("zero_to_fp32").peak_anon
-    dropped = drop_caches()
-    print(f"import baselines (RssAnon): ckptlib {base_ck / MIB:.0f} MiB, DeepSpeed {base_ds / MIB:.0f} MiB; "
-          f"page cache dropped before each run: {dropped}")
+    bases = import_baselines({"ckptlib": "export", "DeepSpeed": "zero_to_fp32"})
+    print_baselines(bases, f"; page cache dropped before each run: {drop_caches()}")
+    base_ck, base_ds = bases.values()
     rows, raw = [], {}
     for checkpoint in args.checkpoints:
         res = {tool: [] for tool in tools}
         for r in range(args.rounds):
             for tool, extra in tools.items():
-                out = work / f"{checkpoint.name}-{tool}"
-                shutil.rmtree(out, ignore_errors=True)
-                drop_caches()
+                out = fresh_output(work / f"{checkpoint.name}-{tool}", make=False)
                 cmd = zero_to_fp32(checkpoint, out) if tool == "ds" else ckpt("export", checkpoint, out, "-q", *extra)
                 st = check_ok(run(cmd, env=before_env(args) if tool.endswith("@before") else None),
                               f"{tool} on {checkpoint}")
@@ -98,8 +94,7 @@ def measure(args, work: Path) -> int:
             def cell(key, fmt, over_baseline=False):
                 mine = m[key] - (base if over_baseline else 0)
                 anchor = ds[key] - (base_ds if over_baseline else 0)
-                ratio = "" if tool == "ds" or anchor <= 0 else f" ({mine / anchor:.2f}x)"
-                return fmt(mine) + ratio
+                return fmt(mine) + ("" if tool == "ds" else ratio(mine, anchor))
 
             mib = lambda v: f"{v / MIB:.0f} MiB"  # noqa: E731
             print(f"| {name} | {label} | {cell('wall', lambda v: f'{v:.2f} s')} | {cell('peak_anon', mib)} | "

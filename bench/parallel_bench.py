@@ -12,12 +12,12 @@ baseline. ckptlib's export is checked against ds_to_universal's fp32 files for a
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MIB, baseline, check_ok, ckpt, ds_to_universal, parser, tag_of, work_folder  # noqa: E402
+from common import (MIB, check_ok, ckpt, ds_to_universal, fresh_output, import_baselines, parser,  # noqa: E402
+                    print_baselines, ratio, tag_of, work_folder)
 from procmon import drop_caches, medians, run  # noqa: E402
 
 
@@ -28,10 +28,9 @@ def main() -> int:
 
 
 def measure(args, work: Path) -> int:
-    base_ck = baseline("export").peak_anon
-    base_ds = baseline("ds_to_universal").peak_anon
-    print(f"import baselines (RssAnon): ckptlib {base_ck / MIB:.0f} MiB, DeepSpeed {base_ds / MIB:.0f} MiB; page "
-          f"cache dropped before each run: {drop_caches()}")
+    bases = import_baselines({"ckptlib": "export", "DeepSpeed": "ds_to_universal"})
+    print_baselines(bases, f"; page cache dropped before each run: {drop_caches()}")
+    base_ck, base_ds = bases.values()
     rows = []
     for checkpoint in args.checkpoints:
         tag = tag_of(checkpoint)
@@ -39,10 +38,7 @@ def measure(args, work: Path) -> int:
         res = {t: [] for t in tools}
         for r in range(args.rounds):
             for tool, kind in tools.items():
-                out = work / f"{checkpoint.name}-{kind}"
-                shutil.rmtree(out, ignore_errors=True)
-                out.mkdir()
-                drop_caches()
+                out = fresh_output(work / f"{checkpoint.name}-{kind}")
                 if kind == "ds":
                     cmd = ds_to_universal(checkpoint, out)
                 elif kind == "export":
@@ -63,10 +59,10 @@ def measure(args, work: Path) -> int:
         ds = med["ds_to_universal"]
         for tool, m in med.items():
             b = base_ds if tool == "ds_to_universal" else base_ck
-            ratio = (lambda a, b: "" if tool == "ds_to_universal" or b <= 0 else f" ({a / b:.2f}x)")  # noqa: E731
-            print(f"| {name} | {tool} | {m['wall']:.1f} s{ratio(m['wall'], ds['wall'])} | "
-                  f"{m['peak_anon'] / MIB:.0f} MiB{ratio(m['peak_anon'], ds['peak_anon'])} | "
-                  f"{(m['peak_anon'] - b) / MIB:.0f} MiB{ratio(m['peak_anon'] - b, ds['peak_anon'] - base_ds)} | "
+            vs_ds = (lambda mine, anchor: "") if tool == "ds_to_universal" else ratio
+            print(f"| {name} | {tool} | {m['wall']:.1f} s{vs_ds(m['wall'], ds['wall'])} | "
+                  f"{m['peak_anon'] / MIB:.0f} MiB{vs_ds(m['peak_anon'], ds['peak_anon'])} | "
+                  f"{(m['peak_anon'] - b) / MIB:.0f} MiB{vs_ds(m['peak_anon'] - b, ds['peak_anon'] - base_ds)} | "
                   f"{(m['peak_disk'] - m['final_disk']) / MIB:.0f} MiB |")
         print(f"| {name} | ckpt export vs ds_to_universal fp32 | {verdict} | | | |")
     return 0

@@ -11,14 +11,14 @@ ckptlib from another source tree in the same rounds (rows marked "(before)"), to
 """
 from __future__ import annotations
 
-import shutil
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MIB, baseline, before_env, check_ok, ckpt, ds_to_universal, parser, work_folder  # noqa: E402
-from procmon import drop_caches, medians, run  # noqa: E402
+from common import (MIB, before_env, check_ok, ckpt, ds_to_universal, fresh_output, import_baselines,  # noqa: E402
+                    parser, print_baselines, ratio, work_folder)
+from procmon import medians, run  # noqa: E402
 
 
 def main() -> int:
@@ -28,9 +28,9 @@ def main() -> int:
 
 
 def measure(args, work: Path) -> int:
-    base = baseline("reshard").peak_anon
-    base_ds = baseline("ds_to_universal").peak_anon
-    print(f"import baselines (RssAnon): ckptlib {base / MIB:.0f} MiB, DeepSpeed {base_ds / MIB:.0f} MiB")
+    bases = import_baselines({"ckptlib": "reshard", "DeepSpeed": "ds_to_universal"})
+    print_baselines(bases)
+    base, base_ds = bases["ckptlib"], bases["DeepSpeed"]
     rows = []
     for checkpoint in args.checkpoints:
         # tool: (target size, extra arguments); --no-sync leaves the output to the kernel, as ds_to_universal does
@@ -41,10 +41,7 @@ def measure(args, work: Path) -> int:
         res = {t: [] for t in tools}
         for r in range(args.rounds):
             for k, (tool, (m, extra)) in enumerate(tools.items()):
-                out = work / f"{checkpoint.name}-{k}"
-                shutil.rmtree(out, ignore_errors=True)
-                out.mkdir()
-                drop_caches()
+                out = fresh_output(work / f"{checkpoint.name}-{k}")
                 if m is None:
                     cmd = ds_to_universal(checkpoint, out)
                 else:
@@ -65,12 +62,9 @@ def measure(args, work: Path) -> int:
         for tool, m in med.items():
             b = base_ds if tool == "ds_to_universal" else base
             tmp = m["peak_disk"] - m["final_disk"]
-
-            def ratio(mine, anchor):
-                return "" if tool == "ds_to_universal" or anchor <= 0 else f" ({mine / anchor:.2f}x)"
-
-            print(f"| {name} | {tool} | {m['wall']:.1f} s{ratio(m['wall'], ds['wall'])} | "
-                  f"{m['peak_anon'] / MIB:.0f} MiB{ratio(m['peak_anon'], ds['peak_anon'])} | "
+            vs_ds = (lambda mine, anchor: "") if tool == "ds_to_universal" else ratio
+            print(f"| {name} | {tool} | {m['wall']:.1f} s{vs_ds(m['wall'], ds['wall'])} | "
+                  f"{m['peak_anon'] / MIB:.0f} MiB{vs_ds(m['peak_anon'], ds['peak_anon'])} | "
                   f"{(m['peak_anon'] - b) / MIB:.0f} MiB | {bounds[tool]} | {tmp / MIB:.0f} MiB | "
                   f"{m['final_disk'] / MIB:.0f} MiB |")
     return 0
