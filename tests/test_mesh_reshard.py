@@ -13,6 +13,7 @@ import torch
 
 import ckptlib
 from tests.cli import assert_refused, run_cli as _cli
+from tests.fixtures.compare import assert_holds_the_reference, same
 
 
 #: case -> (fixture, target pp, tp, dp, extra options)
@@ -129,27 +130,6 @@ def loads(parallel_fixtures, tmp_path_factory):
     return results, outs
 
 
-def _same(a, b) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
-
-
-def _assert_holds_the_reference(got: dict, fx: dict, buffers: bool) -> dict:
-    """What an engine loaded equals the fixture's reference bit for bit: fp32 masters, both Adam moments,
-    16-bit weights, the step, and (``buffers``) the buffers. Returns the reference."""
-    ref = torch.load(fx["path"] / "reference.pt", weights_only=True)
-    for n, want in ref["params"].items():
-        assert _same(got["params"][n], want), n
-        for key in ("exp_avg", "exp_avg_sq"):
-            assert _same(got["states"][key][n], ref["states"][key][n]), (key, n)
-    for n, want in ref["module16"].items():
-        assert _same(got["module16"][n], want), n
-    if buffers:
-        for n, want in ref["buffers"].items():
-            assert _same(got["buffers"][n], want), n
-    assert got["step"] == ref["step"]
-    return ref
-
-
 def _case(case):
     """(fixture name, target mesh {pp, tp, dp, ep}) of a case."""
     if case in MOE_CASES:
@@ -167,7 +147,7 @@ def test_deepspeed_loads_the_new_mesh_exactly(loads, parallel_fixtures, case):
     res = results[case]
     assert "error" not in res, res.get("error")
     assert res["mesh"] == mesh
-    _assert_holds_the_reference(res["loaded"], fx, buffers=True)
+    assert_holds_the_reference(res["loaded"], fx, buffers=True)
     # named as DeepSpeed names them at that mesh: the loaded engine saved again, the same file names
     ours = sorted(p.name for p in (outs[case] / fx["tag"]).iterdir())
     assert ours == sorted(res["saved_files"])
@@ -205,14 +185,14 @@ def test_deepspeed_loads_an_moe_universal_checkpoint_exactly_at_the_ep_it_was_wr
     res, base = results[case], results[f"{name}/original"]
     assert "error" not in res and "error" not in base, (res.get("error"), base.get("error"))
     assert res["universal"] and res["mesh"] == {"pp": 1, "tp": 1, "dp": world, "ep": ep}
-    ref = _assert_holds_the_reference(res["loaded"], fx, buffers=False)
+    ref = assert_holds_the_reference(res["loaded"], fx, buffers=False)
     assert sum("deepspeed_experts" in n for n in ref["params"]) == 16
     same_mesh = (ep, world) == (fx["ep"], fx["world"])
     tol = TP_CHANGE_TOLERANCE if ep != fx["ep"] else 0.05
     for n, want in base["after_step"]["params"].items():
         a, s0 = res["after_step"]["params"][n], base["loaded"]["params"][n]
         if same_mesh:
-            assert _same(a, want), n
+            assert same(a, want), n
         update = float((want.double() - s0.double()).norm())
         assert float((a.double() - want.double()).norm()) <= tol * max(update, 1e-12), n
     assert res["after_step"]["step"] == base["after_step"]["step"]
@@ -345,9 +325,9 @@ def test_autotp_tp1_resumes_on_the_plain_model_exactly(autotp_loads, parallel_fi
         assert "universal_checkpoint_info" not in states and "tensor_parallel" not in states["ds_config"], folder
     ref = torch.load(fx["path"] / "reference.pt", weights_only=True)
     for n, want in ref["params"].items():
-        assert _same(res["loaded"]["params"][n], want), n
+        assert same(res["loaded"]["params"][n], want), n
         for key in ("exp_avg", "exp_avg_sq"):
-            assert _same(res["loaded"]["states"][key][n], ref["states"][key][n]), (key, n)
+            assert same(res["loaded"]["states"][key][n], ref["states"][key][n]), (key, n)
     assert res["loaded"]["step"] == ref["step"]
     for n, want in base["after_step"]["params"].items():
         a, s0 = res["after_step"]["params"][n], base["loaded"]["params"][n]
