@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (PY, baseline, bytecode_as_installed, check_ok, ckpt, ds_to_universal, mib, parser, table,  # noqa: E402
+from common import (PY, baseline, before_env, bytecode_as_installed, check_ok, ckpt, ds_to_universal, mib, parser, table,  # noqa: E402
                     work_folder, write_json, zero_to_fp32)
 from dcp_bench import HAND as HAND_DCP  # noqa: E402
 from procmon import run, warm_cache  # noqa: E402
@@ -137,7 +137,7 @@ def main() -> int:
     ap.add_argument("--only", nargs="+", help="labels of the conversions to run (default: all)")
     ap.add_argument("--no-anchors", action="store_true", help="leave out DeepSpeed's tools (ckpt and floors only)")
     args = ap.parse_args()
-    bytecode_as_installed()
+    bytecode_as_installed(args.before)
     labels = {c.label for c in CONVERSIONS}  # a label picks itself; another word picks the conversions it starts
     convs = [c for c in CONVERSIONS if not args.only or c.label in args.only
              or (c.label.split()[0] in args.only and c.label.split()[0] not in labels)]
@@ -149,6 +149,7 @@ def main() -> int:
             mine = [c for c in convs if c.applies(info)]
             anchors = [] if args.no_anchors else sorted({c.anchor for c in mine if c.anchor})
             res = {c.label: [] for c in mine}
+            before = {c.label: [] for c in mine} if args.before else {}  # the same conversions from --before SRC
             floors = {c.label: [] for c in mine if c.writes}
             ds = {a: [] for a in anchors}
             failed = {}
@@ -179,6 +180,16 @@ def main() -> int:
                     print(f"  {checkpoint.name} round {r + 1} ckpt {label(c, info)}: {st.wall:.2f} s (CPU {st.cpu:.2f} s)"
                           f"{note}, "
                           f"read {mib(st.rchar)}", flush=True)
+                    if args.before:  # right after, into the same output folder (diff reads this round's export)
+                        shutil.rmtree(out, ignore_errors=True)
+                        settle(source)
+                        sb = check_ok(run(ckpt(*c.args(checkpoint, out, info), "-q"), env=before_env(args)),
+                                      f"ckpt {c.label} (before)", (0,))
+                        before[c.label].append(sb)
+                        if c.writes and c.label != "export":
+                            shutil.rmtree(out, ignore_errors=True)
+                        print(f"  {checkpoint.name} round {r + 1} ckpt {label(c, info)} (before): {sb.wall:.2f} s"
+                              f" (CPU {sb.cpu:.2f} s)", flush=True)
                 exported = work / checkpoint.name / "export"
                 for a in anchors:
                     out = work / checkpoint.name / f"ds-{a}"
@@ -224,6 +235,12 @@ def main() -> int:
                     rows.append([checkpoint.name, label(c, info), f"{wall:.2f} s", f"{med(res[c.label], 'cpu'):.2f} s",
                                  "", "", "", "", anchor, vs_ds,
                                  f"{rate / 2**20:.0f} MiB/s{vs}", peaks(res[c.label], ds.get(c.anchor))])
+            for c in mine:
+                if before.get(c.label):
+                    wall = med(before[c.label])
+                    ratio = f"**{wall / med(floors[c.label]):.2f}x**" if c.writes else ""
+                    rows.append([checkpoint.name, f"{label(c, info)} (before: {args.before})", f"{wall:.2f} s",
+                                 f"{med(before[c.label], 'cpu'):.2f} s", "", "", ratio, "", "", "", "", ""])
             lines += rows
             raw[checkpoint.name] = {"info": info, "rows": rows}
     print()
@@ -233,7 +250,7 @@ def main() -> int:
                  "ckpt / floor", f"within {GOAL}x", "DeepSpeed's tool (median)", "ckpt / DeepSpeed",
                  "read rate after start-up", "peak RssAnon: ckpt / DeepSpeed's tool"], lines))
     write_json(args, raw)
-    return 0 if all(r[7] != "**no**" for r in lines) else 1
+    return 0 if all(r[7] != "**no**" for r in lines) else 1  # the (before) rows have no verdict
 
 
 if __name__ == "__main__":
