@@ -173,6 +173,19 @@ def test_first_differences_reads_the_first_copy_once_for_all_the_others(tmp_path
     assert reads_before == 4 * (n + n + 832 + n)
 
 
+def test_a_reader_that_does_not_drop_leaves_every_page(tmp_path, monkeypatch):
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(4096 * 4))
+    dropped = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: dropped.append((off, n)))
+    for drop, expect in ((False, []), (True, [(0, 4096)])):
+        dropped.clear()
+        with SourceFiles(drop=drop) as files:
+            files.read_gather([StoredRange(str(path), 0, "float32", 1024)], memoryview(bytearray(4096)), drop=True)
+            assert files.drops is drop
+        assert dropped == expect
+
+
 def test_kept_spans_keep_their_pages_when_the_rest_is_dropped(tmp_path, monkeypatch):
     """SourceFiles.keep_cached: drop_cache leaves every span that touches a kept one (the copies a run
     compares beside its writing) and drops the others."""

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -193,3 +194,45 @@ def test_unsynced_export_in_worker_processes(fixture_by_name, tmp_path):
     ckptlib.run(ckptlib.plan_export(src, tmp_path / "one", max_shard_size="10MB"))
     ckptlib.run(ckptlib.plan_export(src, tmp_path / "two", max_shard_size="10MB", workers=2, sync=False))
     assert_same_tree(tmp_path / "one", tmp_path / "two")
+
+
+@pytest.fixture
+def source_drops(monkeypatch):
+    """The (path, offset, length) of every POSIX_FADV_DONTNEED on a checkpoint file (not on the output)."""
+    calls, real = [], os.posix_fadvise
+
+    def recording(fd, off, n, advice):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if advice == os.POSIX_FADV_DONTNEED and "ckptlib-tmp" not in path:
+            calls.append((path, off, n))
+        return real(fd, off, n, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", recording)
+    return calls
+
+
+@pytest.mark.parametrize("fmt,dtype", [("safetensors", "fp32"), ("safetensors", "bf16"), ("torch", "fp32")])
+def test_a_run_drops_source_pages_only_when_its_reads_would_crowd_the_page_cache(fixture_by_name, tmp_path,
+                                                                                  monkeypatch, source_drops, fmt, dtype):
+    """Reading less than a quarter of the memory available to the page cache, the source pages stay for the
+    kernel to evict (no POSIX_FADV_DONTNEED on a source file); with the room made small, every byte read is
+    dropped once copied. The output is the same either way."""
+    src = fixture_by_name("large_w2")["checkpoint_path"]
+    plan = ckptlib.plan_export(src, tmp_path / "kept", format=fmt, dtype=dtype)
+    assert 0 < plan.read_bytes * writers.DROP_SOURCE_SHARE < writers.page_cache_room()
+    assert not writers.drops_source_pages(plan)
+    ckptlib.run(plan)
+    assert source_drops == []
+    monkeypatch.setattr(writers, "page_cache_room", lambda: plan.read_bytes)  # reads 4x a quarter of the room
+    assert writers.drops_source_pages(plan)
+    ckptlib.run(ckptlib.plan_export(src, tmp_path / "dropped", format=fmt, dtype=dtype))
+    assert sum(n for _, _, n in source_drops) >= plan.read_bytes * 9 // 10  # every stored range, a header aside
+    assert {p for p, _, _ in source_drops} <= {str(f) for f in Path(src).rglob("*") if f.is_file()}
+    assert_same_tree(tmp_path / "kept", tmp_path / "dropped")
+
+
+def test_worker_processes_share_the_room_for_source_pages(monkeypatch):
+    plan = type("P", (), {"read_bytes": 100})()
+    monkeypatch.setattr(writers, "page_cache_room", lambda: 1000)
+    assert not writers.drops_source_pages(plan) and not writers.drops_source_pages(plan, processes=2)
+    assert writers.drops_source_pages(plan, processes=3)  # 3 x 100 read against a quarter of 1000

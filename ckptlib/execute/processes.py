@@ -16,14 +16,15 @@ from ..io.sources import SourceFiles
 from ..io.streaming import load_cast_kernels
 from ..plan import Plan
 from ..progress import Observer, check_cancel
-from .writers import WriteContext, assign, needs_cast_kernels, units, unsynced_budget, write_unit
+from .writers import (WriteContext, assign, drops_source_pages, needs_cast_kernels, units, unsynced_budget,
+                      write_unit)
 
 REPORT_EVERY = 8 * 2**20
 
 
 def _worker_main(plan: Plan, tmp: str, work: list, q) -> None:
     try:
-        files = SourceFiles()
+        files = SourceFiles(drop=drops_source_pages(plan, plan.workers))
         pending = [0]
 
         def progress(n: int) -> None:

@@ -28,7 +28,8 @@ from ..plan import PROCESSES, Plan
 from ..progress import Observer, check_cancel, progress_to
 from ..system.allocation import translating_allocation_failures
 from ..system.memory import MemoryReport, watch_memory
-from .writers import Unit, WriteContext, needs_cast_kernels, prepare, units, unsynced_budget, write_finals, write_unit
+from .writers import (Unit, WriteContext, drops_source_pages, needs_cast_kernels, prepare, units, unsynced_budget,
+                      write_finals, write_unit)
 
 
 @dataclass
@@ -226,7 +227,7 @@ def write_in_threads(plan: Plan, work: list[Unit], tmp: Path, observer: Observer
     ``processes_on_machine`` (writing processes sharing this machine's page cache) divides what a run
     that does not sync leaves to the kernel. Returns the bytes read from the source."""
     failed = threading.Event()
-    files = SourceFiles()
+    files = SourceFiles(drop=drops_source_pages(plan, processes_on_machine))
     files.keep_cached(compared_spans(plan))  # the copies compared beside the writing are read there too
     ctx = WriteContext(plan.chunk_bytes, files, progress or progress_to(observer, plan.write_bytes),
                        AnyOf(cancel, failed), observer, unsynced_budget(plan, processes_on_machine))

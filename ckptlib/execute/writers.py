@@ -86,11 +86,34 @@ def kernel_writeback_threshold() -> int:
         ratio = read("/proc/sys/vm/dirty_background_ratio")
     except (OSError, ValueError, IndexError):
         return 256 * 2**20
+    room = page_cache_room()
+    return min(fixed, room) if fixed > 0 else room * ratio // 100
+
+
+def page_cache_room() -> int:
+    """The memory available to the page cache: the machine's available memory, or what a memory cgroup still
+    allows where that is less (:func:`ckptlib.system.memory.system_memory`)."""
     mem = system_memory()
     room = mem.available
     if mem.cgroup_limit is not None:
         room = min(room, max(0, mem.cgroup_limit - (mem.cgroup_usage or 0)))
-    return min(fixed, room) if fixed > 0 else room * ratio // 100
+    return room
+
+
+#: a run drops the source pages it has read from the page cache when it reads more than this share of the
+#: memory available to the page cache (:func:`drops_source_pages`)
+DROP_SOURCE_SHARE = 4
+
+
+def drops_source_pages(plan: Plan, processes: int = 1) -> bool:
+    """Whether a run of ``plan`` drops source pages from the page cache once it has read them: when it reads
+    more than a quarter (:data:`DROP_SOURCE_SHARE`) of the memory available to the page cache
+    (:func:`page_cache_room`; shared by ``processes`` reading processes), so that a checkpoint larger than
+    the machine does not push everything else out. A smaller read leaves its pages to the kernel, which
+    evicts them when it needs the room: dropping costs CPU (0.1-0.3 s per GB read on the 2-core machine
+    of ``bench/``), and the next run on the same checkpoint finds it cached. Reads a few small files under
+    ``/proc``."""
+    return plan.read_bytes * max(1, processes) > page_cache_room() // DROP_SOURCE_SHARE
 
 
 def unsynced_budget(plan: Plan, writers: int = 1) -> Optional[UnsyncedBudget]:
@@ -237,5 +260,6 @@ def write_finals(plan: Plan, tmp: Path) -> None:
         (tmp / f.name).write_text(f.text)
 
 
-__all__ = ["Unit", "WriteContext", "unsynced_budget", "kernel_writeback_threshold", "safetensors_layout", "prepare", "units", "assign", "write_unit", "write_finals",
+__all__ = ["Unit", "WriteContext", "unsynced_budget", "kernel_writeback_threshold", "page_cache_room", "drops_source_pages",
+           "DROP_SOURCE_SHARE", "safetensors_layout", "prepare", "units", "assign", "write_unit", "write_finals",
            "needs_cast_kernels"]

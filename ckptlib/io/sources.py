@@ -2,8 +2,8 @@
 
 Plans name their bytes by file path and byte offset (:mod:`ckptlib.layout.ranges`); :class:`SourceFiles`
 opens each file when first needed, reads with ``pread`` (no mmap), counts every byte (``stats``),
-drops pages from the page cache once they are copied, and checks that the files are the ones the plan
-was made from (:func:`check_unchanged`).
+drops pages from the page cache once they are copied (where the run's reads would crowd it: ``drop``), and
+checks that the files are the ones the plan was made from (:func:`check_unchanged`).
 """
 from __future__ import annotations
 
@@ -53,12 +53,16 @@ def _pread_all(fd: int, path: str, offset: int, target: memoryview) -> None:
 
 class SourceFiles:
     """Read access to files by path (thread-safe). ``stats`` counts the bytes read, kernel copies included.
+    Without ``drop``, :meth:`drop_cache` does nothing: pages read stay in the page cache for the kernel to
+    evict when it needs the room (dropping them costs CPU: 0.1-0.3 s per GB read on the machine of
+    ``bench/``, and a run that reads the same files next finds them cached).
 
     Memory: none beyond the descriptors.
     """
 
-    def __init__(self, stats: Optional[ReadStats] = None):
+    def __init__(self, stats: Optional[ReadStats] = None, drop: bool = True):
         self.stats = stats or ReadStats()
+        self.drops = drop
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
         self._keep: dict[str, list] = {}  # path -> sorted (start, end) spans whose pages stay cached
@@ -151,8 +155,8 @@ class SourceFiles:
 
     def drop_cache(self, path: str, offset: int, nbytes: int) -> None:
         """Tell the kernel these bytes are not needed in the page cache any more (unless kept:
-        :meth:`keep_cached`)."""
-        if self._keep and self._kept(path, offset, nbytes):
+        :meth:`keep_cached`, or this reader does not drop pages at all)."""
+        if not self.drops or self._keep and self._kept(path, offset, nbytes):
             return
         fd = self._fds.get(path)
         if fd is not None and nbytes > 0 and hasattr(os, "posix_fadvise"):
