@@ -231,8 +231,9 @@ def test_a_run_drops_source_pages_only_when_its_reads_would_crowd_the_page_cache
     assert_same_tree(tmp_path / "kept", tmp_path / "dropped")
 
 
-def test_worker_processes_share_the_room_for_source_pages(monkeypatch):
-    plan = type("P", (), {"read_bytes": 100})()
+def test_the_share_of_the_page_cache_a_run_may_leave_behind(monkeypatch):
+    """A quarter of the room: at it the pages stay, past it they are dropped (the whole plan's reads, also
+    when several writing processes share them)."""
     monkeypatch.setattr(writers, "page_cache_room", lambda: 1000)
-    assert not writers.drops_source_pages(plan) and not writers.drops_source_pages(plan, processes=2)
-    assert writers.drops_source_pages(plan, processes=3)  # 3 x 100 read against a quarter of 1000
+    assert not writers.drops_source_pages(type("P", (), {"read_bytes": 250})())
+    assert writers.drops_source_pages(type("P", (), {"read_bytes": 251})())

@@ -24,7 +24,7 @@ REPORT_EVERY = 8 * 2**20
 
 def _worker_main(plan: Plan, tmp: str, work: list, q) -> None:
     try:
-        files = SourceFiles(drop=drops_source_pages(plan, plan.workers))
+        files = SourceFiles(drop=drops_source_pages(plan))
         pending = [0]
 
         def progress(n: int) -> None:

@@ -227,7 +227,7 @@ def write_in_threads(plan: Plan, work: list[Unit], tmp: Path, observer: Observer
     ``processes_on_machine`` (writing processes sharing this machine's page cache) divides what a run
     that does not sync leaves to the kernel. Returns the bytes read from the source."""
     failed = threading.Event()
-    files = SourceFiles(drop=drops_source_pages(plan, processes_on_machine))
+    files = SourceFiles(drop=drops_source_pages(plan))
     files.keep_cached(compared_spans(plan))  # the copies compared beside the writing are read there too
     ctx = WriteContext(plan.chunk_bytes, files, progress or progress_to(observer, plan.write_bytes),
                        AnyOf(cancel, failed), observer, unsynced_budget(plan, processes_on_machine))

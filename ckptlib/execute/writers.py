@@ -105,15 +105,15 @@ def page_cache_room() -> int:
 DROP_SOURCE_SHARE = 4
 
 
-def drops_source_pages(plan: Plan, processes: int = 1) -> bool:
+def drops_source_pages(plan: Plan) -> bool:
     """Whether a run of ``plan`` drops source pages from the page cache once it has read them: when it reads
     more than a quarter (:data:`DROP_SOURCE_SHARE`) of the memory available to the page cache
-    (:func:`page_cache_room`; shared by ``processes`` reading processes), so that a checkpoint larger than
-    the machine does not push everything else out. A smaller read leaves its pages to the kernel, which
+    (:func:`page_cache_room`; the whole plan's reads, whatever the number of writing processes sharing them),
+    so that a checkpoint larger than the machine does not push everything else out. A smaller read leaves its pages to the kernel, which
     evicts them when it needs the room: dropping costs CPU (0.1-0.3 s per GB read on the 2-core machine
     of ``bench/``), and the next run on the same checkpoint finds it cached. Reads a few small files under
     ``/proc``."""
-    return plan.read_bytes * max(1, processes) > page_cache_room() // DROP_SOURCE_SHARE
+    return plan.read_bytes > page_cache_room() // DROP_SOURCE_SHARE
 
 
 def unsynced_budget(plan: Plan, writers: int = 1) -> Optional[UnsyncedBudget]:
