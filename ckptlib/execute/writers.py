@@ -109,10 +109,10 @@ def drops_source_pages(plan: Plan) -> bool:
     """Whether a run of ``plan`` drops source pages from the page cache once it has read them: when it reads
     more than a quarter (:data:`DROP_SOURCE_SHARE`) of the memory available to the page cache
     (:func:`page_cache_room`; the whole plan's reads, whatever the number of writing processes sharing them),
-    so that a checkpoint larger than the machine does not push everything else out. A smaller read leaves its pages to the kernel, which
-    evicts them when it needs the room: dropping costs CPU (0.1-0.3 s per GB read on the 2-core machine
-    of ``bench/``), and the next run on the same checkpoint finds it cached. Reads a few small files under
-    ``/proc``."""
+    so that a checkpoint larger than the machine does not push everything else out. A smaller read leaves
+    its pages to the kernel, which evicts them when it needs the room: dropping costs CPU (0.1-0.3 s per GB
+    read on the 2-core machine of ``bench/``), and the next run on the same checkpoint finds it cached.
+    Reads a few small files under ``/proc``."""
     return plan.read_bytes > page_cache_room() // DROP_SOURCE_SHARE
 
 
@@ -260,6 +260,6 @@ def write_finals(plan: Plan, tmp: Path) -> None:
         (tmp / f.name).write_text(f.text)
 
 
-__all__ = ["Unit", "WriteContext", "unsynced_budget", "kernel_writeback_threshold", "page_cache_room", "drops_source_pages",
-           "DROP_SOURCE_SHARE", "safetensors_layout", "prepare", "units", "assign", "write_unit", "write_finals",
+__all__ = ["Unit", "WriteContext", "unsynced_budget", "kernel_writeback_threshold", "page_cache_room",
+           "drops_source_pages", "DROP_SOURCE_SHARE", "safetensors_layout", "prepare", "units", "assign", "write_unit", "write_finals",
            "needs_cast_kernels"]

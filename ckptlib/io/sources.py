@@ -54,8 +54,8 @@ def _pread_all(fd: int, path: str, offset: int, target: memoryview) -> None:
 class SourceFiles:
     """Read access to files by path (thread-safe). ``stats`` counts the bytes read, kernel copies included.
     Without ``drop``, :meth:`drop_cache` does nothing: pages read stay in the page cache for the kernel to
-    evict when it needs the room (dropping them costs CPU: 0.1-0.3 s per GB read on the machine of
-    ``bench/``, and a run that reads the same files next finds them cached).
+    evict when it needs the room (a run decides with
+    :func:`ckptlib.execute.writers.drops_source_pages`, which says what dropping costs).
 
     Memory: none beyond the descriptors.
     """
