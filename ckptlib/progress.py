@@ -7,6 +7,7 @@ Long operations call an :class:`Observer`; the library itself never imports ``tq
 """
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any, Callable, Optional
 
@@ -38,6 +39,13 @@ class Observer:
         """The operation failed (or was cancelled); the output was not created."""
 
 
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream is not None and stream.isatty())
+    except (AttributeError, ValueError, OSError):  # closed or a stand-in without isatty
+        return False
+
+
 class TqdmObserver(Observer):
     """A plain tqdm bar for terminals (output bytes)."""
 
@@ -46,10 +54,16 @@ class TqdmObserver(Observer):
         self.bar = None
 
     def on_start(self, plan):
+        self.bar = self.open_bar(plan.write_bytes)
+
+    def open_bar(self, total: int):
+        """A tqdm bar over ``total`` bytes, or None where it would show nothing: ``disable=None`` off a
+        terminal (tqdm's own rule), decided before importing tqdm, which then costs a run nothing."""
+        if self.disable or (self.disable is None and not _is_terminal(sys.stderr)):
+            return None
         from tqdm import tqdm
 
-        self.bar = tqdm(total=plan.write_bytes, unit="B", unit_scale=True, desc=self.desc,
-                        disable=self.disable)
+        return tqdm(total=total, unit="B", unit_scale=True, desc=self.desc, disable=self.disable)
 
     def on_bytes(self, done, total):
         if self.bar is not None:

@@ -188,6 +188,44 @@ def test_an_fp32_export_loads_only_what_it_uses(fixture_by_name, tmp_path):
     assert not unused & loaded, sorted(unused & loaded)
 
 
+def test_the_progress_bar_is_loaded_only_where_it_shows(fixture_by_name, tmp_path):
+    """Off a terminal the bar would draw nothing (tqdm's ``disable=None``), so tqdm is not even imported; on a
+    terminal (a pseudo-terminal as stderr) the bar is drawn."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+
+    src = fixture_by_name("z3_fp32_w2")["checkpoint_path"]
+    proc = subprocess.run([sys.executable, "-c", LOADED, "export", str(src), str(tmp_path / "piped")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["code"] == 0 and "tqdm" not in report["modules"]
+    assert "it/s" not in proc.stderr and "B/s" not in proc.stderr
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # 100 columns (tqdm reads them)
+    try:
+        proc = subprocess.run([sys.executable, "-c", LOADED, "export", str(src), str(tmp_path / "shown")],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=follower, text=True, timeout=300)
+        os.close(follower)
+        drawn = b""
+        while True:
+            try:
+                part = os.read(leader, 65536)
+            except OSError:  # the other end is closed: all read
+                break
+            if not part:
+                break
+            drawn += part
+    finally:
+        os.close(leader)
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["code"] == 0 and "tqdm" in report["modules"]
+    assert b"export" in drawn and b"100%" in drawn, drawn[-500:]
+
+
 def test_api_functions_keep_their_names_beside_submodules_of_the_same_name():
     """``ckptlib.export``, ``.reshard`` and ``.verify`` are functions, also once the submodules of those
     names are imported (the import system records submodules as attributes of the package)."""

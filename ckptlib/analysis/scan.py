@@ -40,9 +40,7 @@ class ReadTqdm(TqdmObserver):
     """A terminal progress bar over the bytes a check or diff reads (``plan.read_bytes``)."""
 
     def on_start(self, plan):
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=plan.read_bytes, unit="B", unit_scale=True, desc=self.desc, disable=self.disable)
+        self.bar = self.open_bar(plan.read_bytes)
 
 
 def json_ready(value: Any) -> Any:
