@@ -278,7 +278,7 @@ def test_a_cast_in_pieces_on_two_threads_writes_what_torch_writes(tmp_path, pair
     import zlib
 
     from ckptlib.io.castcopy import piece_elems
-    from ckptlib.io.sinks import PwriteSink
+    from ckptlib.io.sinks import PwriteSink, WriteBehind
     from ckptlib.io.sources import SourceFiles
     from ckptlib.io.streaming import ChunkBuffers, copy_ranges
     from ckptlib.io.threads import CastHelper
@@ -304,9 +304,13 @@ def test_a_cast_in_pieces_on_two_threads_writes_what_torch_writes(tmp_path, pair
     fd = os.open(out, os.O_RDWR | os.O_CREAT)
     try:
         os.pwrite(fd, b"head", 0)
-        sink = PwriteSink(fd, 4, crc=crc)
+        behind = WriteBehind(fd, window=4096, lag=2)  # windows handed over while the helper casts (catch_up)
+        sink = PwriteSink(fd, 4, crc=crc, behind=behind)
+        catch_up = sink.catch_up
+        sink.catch_up = lambda: calls.append("catch_up") or catch_up()
         with SourceFiles() as files:
             written = copy_ranges(ranges, dst, sink, bufs, files, drop_cache=False)
+        behind.close()
     finally:
         os.close(fd)
         bufs.close()
@@ -319,4 +323,5 @@ def test_a_cast_in_pieces_on_two_threads_writes_what_torch_writes(tmp_path, pair
         assert sink.crc == zlib.crc32(want)
     pieces = -(-n // piece_elems(1 << 20, src, dst))
     if helper is not None and pieces > 1:
-        assert calls  # the helper took pieces
+        assert calls.count("catch_up") == sum(c != "catch_up" for c in calls) > 0  # the helper took pieces, and
+        # each time the writing thread caught up with the write-behind first

@@ -96,6 +96,33 @@ def test_write_behind_leaves_bytes_to_the_kernel_while_the_budget_lasts(tmp_path
         assert sorted((o, n) for o, n, f in calls if f == 7) == started
 
 
+def test_a_full_window_waits_for_catch_up_or_the_next_window(tmp_path, monkeypatch):
+    """A full window is handed to the disk at the writer's next catch_up (cast_pieces calls it once the cast
+    helper is busy), or when the window after it fills: never more than one waits, in file order."""
+    calls = []
+    monkeypatch.setattr(sinks, "_sync_file_range", lambda fd, off, n, flags: calls.append((off, n, flags)))
+    monkeypatch.setenv("CKPTLIB_WRITE_BEHIND", "1")
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+    try:
+        wb = WriteBehind(fd, window=1000, lag=8)
+        wb.wrote(0, 1000)
+        assert calls == []  # full, waiting
+        wb.catch_up()
+        assert calls == [(0, 1000, 2)]
+        wb.catch_up()
+        assert calls == [(0, 1000, 2)]  # nothing more waits
+        wb.wrote(1000, 1000)
+        wb.wrote(2000, 1000)  # the second full window starts the first
+        assert calls == [(0, 1000, 2), (1000, 1000, 2)]
+        wb.wrote(3000, 500)
+        wb.close()  # the waiting window, then the partial one, then every one in flight waited for
+        assert [c for c in calls if c[2] == 2] == [(o, n, 2) for o, n in ((0, 1000), (1000, 1000), (2000, 1000),
+                                                                         (3000, 500))]
+        assert sorted(c[:2] for c in calls if c[2] == 7) == [(0, 1000), (1000, 1000), (2000, 1000), (3000, 500)]
+    finally:
+        os.close(fd)
+
+
 @pytest.mark.parametrize("fail", [False, True])
 def test_a_synced_write_behind_flushes_in_the_background_and_raises_a_failed_flush(tmp_path, monkeypatch, fail):
     """Every FLUSH_EVERY released windows a synced run's file is fdatasync'ed in a thread of its own (on a
@@ -219,7 +246,7 @@ def test_a_run_drops_source_pages_only_when_its_reads_would_crowd_the_page_cache
     dropped once copied. The output is the same either way."""
     src = fixture_by_name("large_w2")["checkpoint_path"]
     plan = ckptlib.plan_export(src, tmp_path / "kept", format=fmt, dtype=dtype)
-    assert 0 < plan.read_bytes * writers.DROP_SOURCE_SHARE < writers.page_cache_room()
+    assert 0 < plan.read_bytes * writers.DROP_SHARE < writers.page_cache_room()
     assert not writers.drops_source_pages(plan)
     ckptlib.run(plan)
     assert source_drops == []
@@ -231,9 +258,56 @@ def test_a_run_drops_source_pages_only_when_its_reads_would_crowd_the_page_cache
     assert_same_tree(tmp_path / "kept", tmp_path / "dropped")
 
 
+@pytest.fixture
+def output_drops(monkeypatch):
+    """The bytes of every POSIX_FADV_DONTNEED on a file of the output being written (ckptlib's temporary
+    folder), and the calls of sync_file_range that wait for the disk (flags 7)."""
+    calls = {"dropped": 0, "waited": 0}
+    real_fadvise, real_sfr = os.posix_fadvise, sinks._sync_file_range
+
+    def fadvise(fd, off, n, advice):
+        if advice == os.POSIX_FADV_DONTNEED and "ckptlib-tmp" in os.readlink(f"/proc/self/fd/{fd}"):
+            calls["dropped"] += n
+        return real_fadvise(fd, off, n, advice)
+
+    def sfr(fd, off, n, flags):
+        calls["waited"] += n if flags == 7 else 0
+        return real_sfr(fd, off, n, flags)
+
+    monkeypatch.setattr(os, "posix_fadvise", fadvise)
+    monkeypatch.setattr(sinks, "_sync_file_range", sfr)
+    monkeypatch.setenv("CKPTLIB_WRITE_BEHIND", "1")
+    return calls
+
+
+@pytest.mark.parametrize("fmt,dtype", [("safetensors", "bf16"), ("torch", "fp32")])
+def test_a_run_drops_its_output_pages_only_when_its_writes_would_crowd_the_page_cache(fixture_by_name, tmp_path,
+                                                                                      monkeypatch, output_drops,
+                                                                                      fmt, dtype):
+    """The write-behind hands the output to the disk and waits for it either way; the written (clean) pages
+    are dropped only when the run writes more than a quarter of the memory available to the page cache, else
+    left to the kernel as cp leaves them. The output is the same either way."""
+    if sinks._sync_file_range is None:
+        pytest.skip("no sync_file_range here")
+    src = fixture_by_name("large_w2")["checkpoint_path"]
+    plan = ckptlib.plan_export(src, tmp_path / "kept", format=fmt, dtype=dtype)
+    assert 0 < plan.write_bytes * writers.DROP_SHARE < writers.page_cache_room()
+    assert not writers.drops_written_pages(plan)
+    ckptlib.run(plan)
+    assert output_drops["dropped"] == 0 and output_drops["waited"] > 0
+    monkeypatch.setattr(writers, "page_cache_room", lambda: plan.write_bytes)  # writes 4x a quarter of the room
+    assert writers.drops_written_pages(plan)
+    output_drops["waited"] = 0
+    ckptlib.run(ckptlib.plan_export(src, tmp_path / "dropped", format=fmt, dtype=dtype))
+    assert output_drops["dropped"] == output_drops["waited"] > 0  # every window waited for is dropped
+    assert_same_tree(tmp_path / "kept", tmp_path / "dropped")
+
+
 def test_the_share_of_the_page_cache_a_run_may_leave_behind(monkeypatch):
     """A quarter of the room: at it the pages stay, past it they are dropped (the whole plan's reads, also
     when several writing processes share them)."""
     monkeypatch.setattr(writers, "page_cache_room", lambda: 1000)
     assert not writers.drops_source_pages(type("P", (), {"read_bytes": 250})())
     assert writers.drops_source_pages(type("P", (), {"read_bytes": 251})())
+    assert not writers.drops_written_pages(type("P", (), {"write_bytes": 250})())
+    assert writers.drops_written_pages(type("P", (), {"write_bytes": 251})())

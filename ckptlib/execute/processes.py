@@ -16,8 +16,8 @@ from ..io.sources import SourceFiles
 from ..io.streaming import load_cast_kernels
 from ..plan import Plan
 from ..progress import Observer, check_cancel
-from .writers import (WriteContext, assign, drops_source_pages, needs_cast_kernels, units, unsynced_budget,
-                      write_unit)
+from .writers import (WriteContext, assign, drops_source_pages, drops_written_pages, needs_cast_kernels, units,
+                      unsynced_budget, write_unit)
 
 REPORT_EVERY = 8 * 2**20
 
@@ -35,7 +35,8 @@ def _worker_main(plan: Plan, tmp: str, work: list, q) -> None:
 
         if needs_cast_kernels(plan):
             load_cast_kernels()
-        ctx = WriteContext(plan.chunk_bytes, files, progress, unsynced=unsynced_budget(plan, plan.workers))
+        ctx = WriteContext(plan.chunk_bytes, files, progress, unsynced=unsynced_budget(plan, plan.workers),
+                           drop_written=drops_written_pages(plan))
         for u in work:
             write_unit(plan, u, Path(tmp), ctx)
         ctx.close()

@@ -28,8 +28,8 @@ from ..plan import PROCESSES, Plan
 from ..progress import Observer, check_cancel, progress_to
 from ..system.allocation import translating_allocation_failures
 from ..system.memory import MemoryReport, watch_memory
-from .writers import (Unit, WriteContext, drops_source_pages, needs_cast_kernels, prepare, units, unsynced_budget,
-                      write_finals, write_unit)
+from .writers import (Unit, WriteContext, drops_source_pages, drops_written_pages, needs_cast_kernels, prepare,
+                      units, unsynced_budget, write_finals, write_unit)
 
 
 @dataclass
@@ -230,7 +230,8 @@ def write_in_threads(plan: Plan, work: list[Unit], tmp: Path, observer: Observer
     files = SourceFiles(drop=drops_source_pages(plan))
     files.keep_cached(compared_spans(plan))  # the copies compared beside the writing are read there too
     ctx = WriteContext(plan.chunk_bytes, files, progress or progress_to(observer, plan.write_bytes),
-                       AnyOf(cancel, failed), observer, unsynced_budget(plan, processes_on_machine))
+                       AnyOf(cancel, failed), observer, unsynced_budget(plan, processes_on_machine),
+                       drops_written_pages(plan))
     try:
         if threads <= 1 or len(work) <= 1:
             for u in work:

@@ -9,7 +9,8 @@ that core's cache from the read to the write, so memory carries what the page ca
 little more. Reading a whole 16 MiB chunk first, then casting it, then writing it moved each byte through
 memory about three times more, and on the 2-core machine measured memory is what a down-casting export
 waits on (``bench/floor_bench.py``). The writing thread and the process's cast helper
-(:class:`~ckptlib.io.threads.CastHelper`) take the pieces in turn, whichever is free first.
+(:class:`~ckptlib.io.threads.CastHelper`) take the pieces in turn, whichever is free first; the writing
+thread first hands the sink's last full window to the disk (``catch_up``), while the helper has begun.
 
 Memory: nothing of its own; each of the two threads uses a stretch of a piece in one read buffer and in
 the cast buffer of the caller's :class:`~ckptlib.io.streaming.ChunkBuffers`.
@@ -93,6 +94,9 @@ def cast_pieces(gather: Sequence, dtype: str, sink, bufs, files: SourceFiles, sl
         try:
             fut = helper.pool.submit(work, 1, helper.scratch)
             try:
+                catch_up = getattr(sink, "catch_up", None)
+                if catch_up is not None:  # the write-behind's system calls, while the helper casts
+                    catch_up()
                 work(0, bufs.scratch)
             except BaseException:
                 failed.set()

@@ -61,20 +61,29 @@ FLUSH_EVERY = 8
 
 
 class WriteBehind:
-    """Writes an output file's dirty pages to disk as it grows and then drops them from the page cache.
+    """Writes an output file's dirty pages to disk as it grows and then, with ``drop``, drops them from the
+    page cache.
 
     Every ``window`` bytes written in a row are handed to the disk at once (Linux ``sync_file_range``);
-    once ``lag`` more windows are in flight, the oldest is waited for and its (now clean) pages are
-    released (``posix_fadvise(DONTNEED)``). A multi-GB output then never fills the page cache with
+    once ``lag`` more windows are in flight, the oldest is waited for, and with ``drop`` its (now clean)
+    pages are released (``posix_fadvise(DONTNEED)``). A multi-GB output then never fills the page cache with
     dirty pages, so the kernel neither throttles the writer nor starts bulk writeback in the middle
-    of the run, and the final ``fsync`` has little left to do; the page cache the file takes stays
-    about ``(lag + 1) * window`` (144 MiB by default; enough in flight for high-latency storage). On
+    of the run, and the final ``fsync`` has little left to do; with ``drop`` the page cache the file takes
+    stays about ``(lag + 1) * window`` (144 MiB by default; enough in flight for high-latency storage).
+    Without, the clean pages stay for the kernel to evict when it needs the room, as after ``cp``: dropping
+    them costs CPU on the writing thread (``execute.writers.drops_written_pages`` says when a run does). On
     the 2-core VM of ``bench/`` writing 3.5 GiB took 1.6 s instead of 3.4 s without it (both with
     ``fsync``; ``bench/write_path.py``). Elsewhere it degrades to ``posix_fadvise`` alone, or to
     nothing. ``CKPTLIB_WRITE_BEHIND=0`` in the environment turns it off (plain buffered writes).
 
     With an ``unsynced`` budget (a run that does not sync its output), bytes are left to the kernel
     while the budget lasts: an output smaller than it is never waited for.
+
+    A window that fills is handed over at the next :meth:`catch_up`, or when the window after it fills,
+    whichever comes first (at most one window waits): a writer with a helper thread calls ``catch_up`` once
+    the helper is busy (:func:`~ckptlib.io.castcopy.cast_pieces`), so the system calls that start the writing
+    (the file system allocates the blocks then) and wait for old windows run beside the helper's casts
+    instead of between them, while it idles. Every call is made by the thread that writes the file.
 
     A run that syncs (no budget) also has the file flushed (``fdatasync``) in a background thread every
     :data:`FLUSH_EVERY` windows, one flush at a time: a virtual disk may keep written blocks in its own cache
@@ -84,11 +93,13 @@ class WriteBehind:
     from the file's error state and the final ``fsync`` could pass).
     """
 
-    def __init__(self, fd: int, window: int = 16 * 2**20, lag: int = 8, unsynced: Optional[UnsyncedBudget] = None):
-        self.fd, self.window, self.lag = fd, window, lag
+    def __init__(self, fd: int, window: int = 16 * 2**20, lag: int = 8, unsynced: Optional[UnsyncedBudget] = None,
+                 drop: bool = True):
+        self.fd, self.window, self.lag, self.drop = fd, window, lag, drop
         self.enabled = os.environ.get("CKPTLIB_WRITE_BEHIND", "1") != "0"
         self.unsynced = unsynced
         self._run: Optional[list] = None  # [start, end) of the bytes written in a row, not handed over yet
+        self._due: Optional[tuple] = None  # a full window, handed over at the next catch_up
         self._flight: collections.deque = collections.deque()
         self._released = 0
         self._flusher: Optional[threading.Thread] = None
@@ -105,13 +116,25 @@ class WriteBehind:
             self._hand_over()
             self._run = [offset, offset + nbytes]
         if self._run[1] - self._run[0] >= self.window:
-            self._hand_over()
+            self.catch_up()  # the window before, if still waiting
+            self._due, self._run = tuple(self._run), None
+
+    def catch_up(self) -> None:
+        """Hand over the full window that waits, if one does (and wait for the oldest beyond ``lag``)."""
+        if self._due is not None:
+            start, end = self._due
+            self._due = None
+            self._start(start, end)
 
     def _hand_over(self) -> None:
+        self.catch_up()
         if self._run is None:
             return
         start, end = self._run
         self._run = None
+        self._start(start, end)
+
+    def _start(self, start: int, end: int) -> None:
         if _sync_file_range is not None:
             _sync_file_range(self.fd, start, end - start, _SFR_WRITE)
         self._flight.append((start, end))
@@ -121,7 +144,7 @@ class WriteBehind:
     def _release(self, start: int, end: int) -> None:
         if _sync_file_range is not None:
             _sync_file_range(self.fd, start, end - start, _SFR_WAIT_BEFORE | _SFR_WRITE | _SFR_WAIT_AFTER)
-        if hasattr(os, "posix_fadvise"):
+        if self.drop and hasattr(os, "posix_fadvise"):
             try:
                 os.posix_fadvise(self.fd, start, end - start, os.POSIX_FADV_DONTNEED)
             except OSError:
@@ -238,6 +261,11 @@ class PwriteSink:
         if self.behind is not None:
             self.behind.wrote(self.offset, nbytes)
         self.offset += nbytes
+
+    def catch_up(self) -> None:
+        """The write-behind's hand-over that waits, if any (:meth:`WriteBehind.catch_up`)."""
+        if self.behind is not None:
+            self.behind.catch_up()
 
     def copy_from(self, src_fd: int, src_offset: int, nbytes: int) -> None:
         if self.takes_crc:

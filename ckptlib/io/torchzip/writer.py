@@ -206,7 +206,7 @@ def file_size(obj: Any, path: str | os.PathLike, archive: Optional[str] = None, 
 
 def save(obj: Any, path: str | os.PathLike, archive: Optional[str] = None,
          progress: Callable[[int], None] = lambda n: None, bufs=None, files=None, cancel: Any = None,
-         zip64_limit: int = ZIP64_LIMIT, unsynced=None) -> int:
+         zip64_limit: int = ZIP64_LIMIT, unsynced=None, drop_written: bool = True) -> int:
     """Write ``obj`` as a torch zip file at ``path``; returns the bytes of tensor data written.
 
     Stored storages (of :class:`StoredTensor` s and tensor handles) are copied whole and once each,
@@ -215,16 +215,16 @@ def save(obj: Any, path: str | os.PathLike, archive: Optional[str] = None,
     stays detectably damaged), or through the buffers where the stored member is longer than the
     storage. Each :class:`NewTensor` gets a storage of its own, written with ``pwrite`` at an offset
     fixed in advance while its CRC-32 is computed chunk by chunk in the read-ahead thread; the zip
-    headers are written last. Written bytes go on to disk as the file grows and leave the page cache
-    (:class:`~ckptlib.io.sinks.WriteBehind`; while an ``unsynced`` budget lasts they are left to the
-    kernel). ``files`` (a :class:`~ckptlib.io.sources.SourceFiles`) reads the
+    headers are written last. Written bytes go on to disk as the file grows and, with ``drop_written``, leave
+    the page cache (:class:`~ckptlib.io.sinks.WriteBehind`; while an ``unsynced`` budget lasts they are left to
+    the kernel). ``files`` (a :class:`~ckptlib.io.sources.SourceFiles`) reads the
     sources; ``zip64_limit`` is for tests (sizes and offsets from it on get ZIP64 fields).
 
     Memory: the pickle and the streaming buffers ``bufs`` (a :class:`~ckptlib.io.streaming.ChunkBuffers`,
     3 x 8 MiB made here if not given).
     """
     fd = os.open(os.fspath(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    behind = WriteBehind(fd, unsynced=unsynced)
+    behind = WriteBehind(fd, unsynced=unsynced, drop=drop_written)
     try:
         written = write_archive(obj, fd, 0, _archive_name(path, archive), progress=progress, bufs=bufs,
                                 files=files, cancel=cancel, zip64_limit=zip64_limit, behind=behind)
