@@ -96,6 +96,79 @@ def test_write_behind_leaves_bytes_to_the_kernel_while_the_budget_lasts(tmp_path
         assert sorted((o, n) for o, n, f in calls if f == 7) == started
 
 
+def test_preallocate_reserves_the_blocks_or_leaves_the_file_as_it_was(tmp_path, monkeypatch):
+    """fallocate(2) mode 0: the range's blocks are reserved (it reads as zeros); where the file system cannot
+    (EOPNOTSUPP, ...) nothing happens; a full disk is an OSError at once."""
+    import ctypes
+    import errno
+
+    path = tmp_path / "f"
+    with open(path, "wb") as fh:
+        fh.write(b"head")
+        fh.flush()
+        done = sinks.preallocate(fh.fileno(), 4, 8 * 2**20)
+    if sinks._fallocate is None:
+        assert done is False
+        pytest.skip("no fallocate here")
+    if done:
+        st = path.stat()
+        assert st.st_size == 4 + 8 * 2**20 and st.st_blocks * 512 >= 8 * 2**20  # reserved, not sparse
+        with open(path, "rb") as fh:
+            assert fh.read(4) == b"head" and fh.read() == bytes(8 * 2**20)
+
+    def failing(err):
+        def call(fd, mode, offset, n):
+            ctypes.set_errno(err)
+            return -1
+        return call
+
+    other = tmp_path / "g"
+    with open(other, "wb") as fh:
+        monkeypatch.setattr(sinks, "_fallocate", failing(errno.EOPNOTSUPP))
+        assert sinks.preallocate(fh.fileno(), 0, 4096) is False
+        assert other.stat().st_size == 0
+        monkeypatch.setattr(sinks, "_fallocate", failing(errno.ENOSPC))
+        with pytest.raises(OSError) as e:
+            sinks.preallocate(fh.fileno(), 0, 4096)
+        assert e.value.errno == errno.ENOSPC
+
+
+def test_a_run_reserves_its_files_blocks_first_and_a_full_disk_leaves_nothing(fixture_by_name, tmp_path, monkeypatch):
+    """prepare() reserves each safetensors file's data blocks before any byte is written; when the disk is
+    full then, the run stops there with one message and leaves nothing."""
+    import ctypes
+    import errno
+
+    src = fixture_by_name("large_w2")["checkpoint_path"]
+    plan = ckptlib.plan_export(src, tmp_path / "out", max_shard_size="10MB")
+    reserved = []
+    real = sinks.preallocate
+
+    def recording(fd, offset, n):
+        reserved.append((os.readlink(f"/proc/self/fd/{fd}"), offset, n))
+        return real(fd, offset, n)
+
+    monkeypatch.setattr(writers, "preallocate", recording)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    writers.prepare(plan, tmp)
+    files = [f for f in plan.files if f.name.endswith(".safetensors")]
+    assert len(files) > 1 and sorted(Path(p).name for p, _, _ in reserved) == sorted(f.name for f in files)
+    for f in files:
+        layout = writers.safetensors_layout(f)
+        assert (str(tmp / f.name), layout.data_start, layout.file_size - layout.data_start) in reserved
+
+    def full(fd, mode, offset, n):
+        ctypes.set_errno(errno.ENOSPC)
+        return -1
+
+    monkeypatch.setattr(writers, "preallocate", real)
+    monkeypatch.setattr(sinks, "_fallocate", full)
+    with pytest.raises(ckptlib.errors.OutputError, match="No space left on device.*nothing was created"):
+        ckptlib.run(plan)
+    assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
 def test_a_full_window_waits_for_catch_up_or_the_next_window(tmp_path, monkeypatch):
     """A full window is handed to the disk at the writer's next catch_up (cast_pieces calls it once the cast
     helper is busy), or when the window after it fills: never more than one waits, in file order."""

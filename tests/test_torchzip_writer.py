@@ -164,6 +164,28 @@ def test_new_tensor_bytes_must_match_its_shape(tmp_path):
         NewTensor("float32", (4,), ranges=(Zeros(3),))
 
 
+def test_save_reserves_the_members_blocks_before_writing_them(tmp_path, monkeypatch):
+    """save() reserves every byte up to the central directory (the members) before the first is written, and
+    the file is what torch reads either way."""
+    import ckptlib.io.torchzip.writer as writer
+
+    calls = []
+    real = writer.preallocate
+    monkeypatch.setattr(writer, "preallocate", lambda fd, off, n: calls.append((os.fstat(fd).st_size, off, n))
+                        or real(fd, off, n))
+    tree = {"w": NewTensor(torch.float32, (1000,), data=torch.arange(1000, dtype=torch.float32).numpy().tobytes()),
+            "b": NewTensor(torch.bfloat16, (3,), ranges=(Zeros(3),))}
+    path = tmp_path / "t.pt"
+    save(tree, path)
+    with zipfile.ZipFile(path) as z:
+        members_end = max(i.header_offset for i in z.infolist())  # the last member's header ...
+        last = max(z.infolist(), key=lambda i: i.header_offset)
+    assert len(calls) == 1 and calls[0][:2] == (0, 0)  # an empty file, from its start
+    assert calls[0][2] >= members_end + last.file_size and calls[0][2] < path.stat().st_size  # up to the directory
+    got = torch.load(path, weights_only=True)
+    assert torch.equal(got["w"], torch.arange(1000, dtype=torch.float32)) and not got["b"].any()
+
+
 @pytest.mark.parametrize("window,lag", [(1, 0), (100, 1), (16 * 2**20, 2)])
 def test_write_behind_keeps_every_byte(tmp_path, window, lag):
     data = os.urandom(300_000)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ..io.dcp import write_item
-from ..io.sinks import PwriteSink, UnsyncedBudget, WriteBehind, pwrite_all
+from ..io.sinks import PwriteSink, UnsyncedBudget, WriteBehind, preallocate, pwrite_all
 from ..io.sources import SourceFiles
 from ..io.stformat import SafetensorsLayout, TensorSpec
 from ..io.streaming import ChunkBuffers, copy_ranges
@@ -143,17 +143,24 @@ def safetensors_layout(f: WeightsFile) -> SafetensorsLayout:
 
 
 def prepare(plan: Plan, tmp: Path) -> None:
-    """Make the plan's folders, every file's parent folder, and each safetensors file with its header
-    and final size (so its tensors can then be written in any order, by any process)."""
+    """Make the plan's folders, every file's parent folder, and each safetensors and DCP file with its
+    header and final size (so its tensors can then be written in any order, by any process), its data's
+    disk blocks reserved where the file system can (:func:`~ckptlib.io.sinks.preallocate`; a full disk is
+    found here, before any data is written)."""
     for folder in plan.folders:
         (tmp / folder).mkdir(parents=True, exist_ok=True)
     for f in plan.files:
-        (tmp / f.name).parent.mkdir(parents=True, exist_ok=True)
+        path = tmp / f.name
+        path.parent.mkdir(parents=True, exist_ok=True)
         if isinstance(f, WeightsFile) and f.format == "safetensors":
-            safetensors_layout(f).create(tmp / f.name)
+            layout = safetensors_layout(f)
+            layout.create(path)
+            with open(path, "r+b") as fh:
+                preallocate(fh.fileno(), layout.data_start, layout.file_size - layout.data_start)
         elif isinstance(f, DistcpFile):
-            with open(tmp / f.name, "wb") as fh:
+            with open(path, "wb") as fh:
                 fh.truncate(f.size)
+                preallocate(fh.fileno(), 0, f.size)
 
 
 def units(plan: Plan, split: bool = False) -> list[Unit]:

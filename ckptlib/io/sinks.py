@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import errno
 import os
 import sys
 import threading
@@ -33,6 +34,45 @@ def _load_sync_file_range():
 
 
 _sync_file_range = _load_sync_file_range()
+
+
+def _load_fallocate():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).fallocate
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_fallocate = _load_fallocate()
+#: what fallocate(2) answers where the file system cannot reserve blocks: the file then stays sparse
+_CANNOT_PREALLOCATE = {errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.ENODEV, errno.EPERM}
+
+
+def preallocate(fd: int, offset: int, nbytes: int) -> bool:
+    """Reserve the disk blocks of bytes ``[offset, offset + nbytes)`` of an output file before they are
+    written (Linux ``fallocate(2)``, mode 0: they read as zeros until written, and the file is at least that
+    long). Writing into reserved blocks skips the file system's block reservation page by page (ext4's
+    delayed allocation): on the machine of ``bench/``, 512 MiB of ``pwrite`` took 0.06-0.07 s of CPU instead of
+    0.10-0.11 s, the ``fsync`` after it no longer. Returns whether the blocks were reserved; where the file
+    system cannot (or off Linux) nothing happens and the file stays as it was (glibc's ``posix_fallocate``
+    would write zeros instead: never used).
+
+    Raises:
+        OSError: the disk is full (``ENOSPC``) or another failure: before anything is written.
+    """
+    if _fallocate is None or nbytes <= 0:
+        return False
+    if _fallocate(fd, 0, offset, nbytes) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in _CANNOT_PREALLOCATE:
+        return False
+    raise OSError(err, os.strerror(err))
 _SFR_WAIT_BEFORE, _SFR_WRITE, _SFR_WAIT_AFTER = 1, 2, 4
 
 
@@ -276,4 +316,4 @@ class PwriteSink:
         self.offset += nbytes
 
 
-__all__ = ["WriteBehind", "UnsyncedBudget", "PwriteSink", "pwrite_all", "kernel_copy", "WRITE_SLICE"]
+__all__ = ["WriteBehind", "UnsyncedBudget", "PwriteSink", "pwrite_all", "kernel_copy", "preallocate", "WRITE_SLICE"]

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 
 from ...dtypes import BY_NAME, lookup
 from ...layout.ranges import StoredRange
-from ..sinks import PwriteSink, WriteBehind, pwrite_all
+from ..sinks import PwriteSink, WriteBehind, preallocate, pwrite_all
 from ..sources import SourceFiles
 from ..streaming import ChunkBuffers, copy_ranges
 from .handles import TensorHandle
@@ -245,6 +245,7 @@ def write_archive(obj: Any, fd: int, base: int, archive: str, progress: Callable
     Memory: the pickle and the streaming buffers.
     """
     members, records, cd_offset = _layout(obj, archive, zip64_limit)
+    preallocate(fd, base, cd_offset)  # the members' disk blocks, before their bytes (a full disk fails here)
     own_files = files is None
     files = files if files is not None else SourceFiles()
     written = 0
