@@ -113,15 +113,19 @@ class SourceFiles:
         as it is read."""
         runs: dict[str, list] = {}  # path -> [[file offset, end, [buffers]], ...]
         pos = 0
-        for r in gather:
-            n = r.nbytes
-            mine = runs.setdefault(r.path, [])
-            if mine and mine[-1][1] == r.offset:
-                mine[-1][1] += n
-                mine[-1][2].append(out[pos:pos + n])
+        for r in gather:  # one pass, a few operations a range: the rows of a join are tens of thousands
+            end = pos + r.nbytes
+            mine = runs.get(r.path)
+            if mine is None:
+                runs[r.path] = [[r.offset, r.offset + end - pos, [out[pos:end]]]]
             else:
-                mine.append([r.offset, r.offset + n, [out[pos:pos + n]]])
-            pos += n
+                last = mine[-1]
+                if last[1] == r.offset:
+                    last[1] += end - pos
+                    last[2].append(out[pos:end])
+                else:
+                    mine.append([r.offset, r.offset + end - pos, [out[pos:end]]])
+            pos = end
         spans = []
         for path, mine in runs.items():
             for start, end, views in mine:

@@ -110,6 +110,15 @@ def range_starts(ranges: Sequence[Range]) -> list[int]:
     return out
 
 
+def _cut(r: Range, at: int, count: int) -> Range:
+    """Elements ``[at, at+count)`` of one range (the range itself when that is all of it)."""
+    if at == 0 and count == r.count:
+        return r
+    if isinstance(r, Zeros):
+        return Zeros(count)
+    return StoredRange(r.path, r.offset + at * _size(r.dtype), r.dtype, count)
+
+
 def slice_ranges(ranges: Sequence[Range], start: int, count: int, starts: Optional[Sequence[int]] = None
                  ) -> list[Range]:
     """The sub-list of ``ranges`` covering elements ``[start, start+count)`` of their concatenation.
@@ -126,6 +135,15 @@ def slice_ranges(ranges: Sequence[Range], start: int, count: int, starts: Option
             return [Zeros(count)]
         return [r if count == r.count else
                 StoredRange(r.path, r.offset + (start - pos) * _size(r.dtype), r.dtype, count)]
+    if starts and count > 0 and ranges and end <= starts[-1] + ranges[-1].count:
+        # across ranges (the rows of a tensor-parallel join): cut the first and the last, take those between
+        # as they are (a list slice, not a walk; zero-length ones left out, as the walk leaves them)
+        last = bisect.bisect_left(starts, end) - 1
+        head, tail = ranges[first], ranges[last]
+        out.append(_cut(head, start - pos, pos + head.count - start))
+        out += [r for r in ranges[first + 1:last] if r.count]
+        out.append(_cut(tail, 0, end - starts[last]))
+        return out
     for i in range(first, len(ranges)):
         r = ranges[i]
         lo, hi = pos, pos + r.count
