@@ -21,34 +21,22 @@ from .torchzip.zipfmt import crc32_combine
 WRITE_SLICE = 2**20
 
 
-def _load_sync_file_range():
+def _linux_call(name: str, *argtypes):
+    """The libc function ``name`` (an int-returning system call wrapper) with ``argtypes``, or None off Linux or
+    where this libc lacks it."""
     if not sys.platform.startswith("linux"):
         return None
     try:  # the symbols already loaded into the process (libc among them); find_library would spawn ldconfig
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.argtypes = list(argtypes)
     fn.restype = ctypes.c_int
     return fn
 
 
-_sync_file_range = _load_sync_file_range()
-
-
-def _load_fallocate():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).fallocate
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_fallocate = _load_fallocate()
+_sync_file_range = _linux_call("sync_file_range", ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+_fallocate = _linux_call("fallocate", ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
 #: what fallocate(2) answers where the file system cannot reserve blocks: the file then stays sparse
 _CANNOT_PREALLOCATE = {errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.ENODEV, errno.EPERM}
 
