@@ -57,6 +57,10 @@ class WriteContext:
         self._made: list[ChunkBuffers] = []
         self._lock = threading.Lock()
 
+    def write_behind(self, fd: int) -> WriteBehind:
+        """The write-behind of an output file open as ``fd``, under this run's budget and page-cache rule."""
+        return WriteBehind(fd, unsynced=self.unsynced, drop=self.drop_written)
+
     @property
     def bufs(self) -> ChunkBuffers:
         b = getattr(self._local, "bufs", None)
@@ -226,7 +230,7 @@ def _write_safetensors(f: WeightsFile, which, path: Path, ctx: WriteContext) -> 
     layout = safetensors_layout(f)
     fd = os.open(path, os.O_WRONLY)
     try:
-        behind = WriteBehind(fd, unsynced=ctx.unsynced, drop=ctx.drop_written)  # written bytes go on to disk
+        behind = ctx.write_behind(fd)  # written bytes go on to disk as the file grows
         for i in sorted(which, key=lambda i: layout.tensor_offset(f.tensors[i].name)):  # in file order
             t = f.tensors[i]
             ctx.observer.on_tensor(t.name)
@@ -240,7 +244,7 @@ def _write_safetensors(f: WeightsFile, which, path: Path, ctx: WriteContext) -> 
 def _write_distcp(f: DistcpFile, which, path: Path, ctx: WriteContext) -> None:
     fd = os.open(path, os.O_WRONLY)
     try:
-        behind = WriteBehind(fd, unsynced=ctx.unsynced, drop=ctx.drop_written)
+        behind = ctx.write_behind(fd)
         for i in which:
             it = f.items[i]
             ctx.observer.on_tensor(it.fqn)
@@ -281,5 +285,5 @@ def write_finals(plan: Plan, tmp: Path) -> None:
 
 
 __all__ = ["Unit", "WriteContext", "unsynced_budget", "kernel_writeback_threshold", "page_cache_room",
-           "drops_source_pages", "drops_written_pages", "DROP_SHARE", "safetensors_layout", "prepare", "units", "assign", "write_unit", "write_finals",
-           "needs_cast_kernels"]
+           "drops_source_pages", "drops_written_pages", "DROP_SHARE", "safetensors_layout", "prepare", "units",
+           "assign", "write_unit", "write_finals", "needs_cast_kernels"]

@@ -37,6 +37,7 @@ def _linux_call(name: str, *argtypes):
 
 _sync_file_range = _linux_call("sync_file_range", ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
 _fallocate = _linux_call("fallocate", ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+_SFR_WAIT_BEFORE, _SFR_WRITE, _SFR_WAIT_AFTER = 1, 2, 4
 #: what fallocate(2) answers where the file system cannot reserve blocks: the file then stays sparse
 _CANNOT_PREALLOCATE = {errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.ENODEV, errno.EPERM}
 
@@ -61,7 +62,6 @@ def preallocate(fd: int, offset: int, nbytes: int) -> bool:
     if err in _CANNOT_PREALLOCATE:
         return False
     raise OSError(err, os.strerror(err))
-_SFR_WAIT_BEFORE, _SFR_WRITE, _SFR_WAIT_AFTER = 1, 2, 4
 
 
 class UnsyncedBudget:

@@ -111,7 +111,8 @@ def range_starts(ranges: Sequence[Range]) -> list[int]:
 
 
 def _cut(r: Range, at: int, count: int) -> Range:
-    """Elements ``[at, at+count)`` of one range (the range itself when that is all of it)."""
+    """Elements ``[at, at+count)`` of one range (the range itself when that is all of it: ranges are immutable,
+    a whole one is shared, not copied)."""
     if at == 0 and count == r.count:
         return r
     if isinstance(r, Zeros):
@@ -130,11 +131,8 @@ def slice_ranges(ranges: Sequence[Range], start: int, count: int, starts: Option
     first = max(0, bisect.bisect_right(starts, start) - 1) if starts else 0
     pos, end = (starts[first] if starts else 0), start + count
     if ranges and start >= pos and end <= pos + ranges[first].count and count > 0:  # inside one range: the
-        r = ranges[first]  # common case (a row of a shard stored in one partition), without the walk
-        if isinstance(r, Zeros):
-            return [Zeros(count)]
-        return [r if count == r.count else
-                StoredRange(r.path, r.offset + (start - pos) * _size(r.dtype), r.dtype, count)]
+        return [_cut(ranges[first], start - pos, count)]  # common case (a row of a shard stored in one
+        # partition), without the walk
     if starts and count > 0 and ranges and end <= starts[-1] + ranges[-1].count:
         # across ranges (the rows of a tensor-parallel join): cut the first and the last, take those between
         # as they are (a list slice, not a walk; zero-length ones left out, as the walk leaves them)
@@ -148,10 +146,8 @@ def slice_ranges(ranges: Sequence[Range], start: int, count: int, starts: Option
         r = ranges[i]
         lo, hi = pos, pos + r.count
         a, b = max(lo, start), min(hi, end)
-        if a == lo and b == hi and a < b:
-            out.append(r)  # ranges are immutable: a whole one is shared, not copied
-        elif a < b:
-            out.append(Zeros(b - a) if isinstance(r, Zeros) else r.sub(a - lo, b - a))
+        if a < b:
+            out.append(_cut(r, a - lo, b - a))
         pos = hi
         if pos >= end:
             break

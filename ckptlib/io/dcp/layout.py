@@ -65,9 +65,10 @@ def place(items: list, start: int = 0) -> int:
 
 def write_item(fd: int, item: Item, progress: Callable[[int], None] = lambda n: None, bufs=None, files=None,
                cancel: Any = None, behind=None) -> int:
-    """Write ``item``'s archive at its offset of the open file ``fd``; returns the tensor bytes written."""
+    """Write ``item``'s archive at its offset of the open file ``fd``; returns the tensor bytes written. No
+    blocks are reserved here: in a run, ``prepare`` made the file at its full size with its blocks reserved."""
     return write_archive(item.value, fd, item.offset, ARCHIVE, progress=progress, bufs=bufs, files=files,
-                         cancel=cancel, behind=behind)
+                         cancel=cancel, behind=behind, reserve=False)
 
 
 __all__ = ["ARCHIVE", "SUFFIX", "Item", "item_length", "place", "write_item"]

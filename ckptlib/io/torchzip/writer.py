@@ -236,16 +236,19 @@ def save(obj: Any, path: str | os.PathLike, archive: Optional[str] = None,
 
 def write_archive(obj: Any, fd: int, base: int, archive: str, progress: Callable[[int], None] = lambda n: None,
                   bufs=None, files=None, cancel: Any = None, zip64_limit: int = ZIP64_LIMIT,
-                  behind: Optional[WriteBehind] = None) -> int:
+                  behind: Optional[WriteBehind] = None, reserve: bool = True) -> int:
     """Write ``obj`` as a torch zip archive starting at byte ``base`` of the open file ``fd`` (as
     :func:`save` does for a whole file; the archive's own offsets count from ``base``, as those of
     ``torch.save`` into a stream that already holds bytes do). Takes
-    :func:`archive_size` bytes; returns the bytes of tensor data written.
+    :func:`archive_size` bytes; returns the bytes of tensor data written. With ``reserve`` the members' disk
+    blocks are reserved first (:func:`~ckptlib.io.sinks.preallocate`); a caller that reserved the whole file
+    already (a DCP file, made by the run's ``prepare``) passes False.
 
     Memory: the pickle and the streaming buffers.
     """
     members, records, cd_offset = _layout(obj, archive, zip64_limit)
-    preallocate(fd, base, cd_offset)  # the members' disk blocks, before their bytes (a full disk fails here)
+    if reserve:  # the members' disk blocks, before their bytes (a full disk fails here)
+        preallocate(fd, base, cd_offset)
     own_files = files is None
     files = files if files is not None else SourceFiles()
     written = 0
