@@ -359,7 +359,7 @@ def test_deepspeed_refuses_an_unchanged_checkpoint_at_another_mesh_as_the_resume
     predicted = resume_check(parallel_fixtures[name]["checkpoint_path"], res["config"], pp * tp * dp, pp=pp, tp=tp)
     assert predicted.verdict == REFUSED, predicted.describe()
     assert res["error"] in [f.deepspeed for f in predicted.findings], (res["error"], predicted.describe())
-    assert any(f.fix and f"ckpt reshard " in f.fix and f"--tp {tp} --pp {pp} " in f.fix for f in predicted.findings)
+    assert any(f.fix and "ckpt reshard " in f.fix and f"--tp {tp} --pp {pp} " in f.fix for f in predicted.findings)
 
 
 def test_an_moe_universal_checkpoint_is_verified_and_diffed_under_global_expert_ids(parallel_fixtures, tmp_path):

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import ckptlib
-from ckptlib.io.stformat import read_header
 
 ROOT = Path(__file__).resolve().parents[1]
 

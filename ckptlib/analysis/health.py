@@ -258,8 +258,6 @@ class _Scanner:
     def _replica(self, key: str, what: str, first: tuple, copy: tuple) -> list[Problem]:
         """Problems of one further copy of a tensor: NaN or Inf in it, bytes that differ from the first copy
         (both streamed side by side; windows with identical bytes cost one comparison)."""
-        import numpy as np
-
         a, b = RangeIndex(first), RangeIndex(copy)
         file = self.label(getattr(next((r for r in copy if hasattr(r, "path")), None), "path", ""))
         if a.numel != b.numel:

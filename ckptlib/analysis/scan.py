@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..io.streaming import predicted_peak_bytes
-from ..progress import Observer, TqdmObserver, progress_to
+from ..progress import TqdmObserver, progress_to
 
 
 def scan_peak_bytes(chunk_bytes: int) -> int:

@@ -26,7 +26,7 @@ from .discovery import Location, locate, repair_hint
 from .fileset import OpenedFiles
 from .join import PIPELINE, RULES_HINT, join
 from .model import ModelView
-from .records import BufferInfo, NameIndex, ParameterInfo, Records
+from .records import BufferInfo, NameIndex, ParameterInfo
 from .releases import written_by
 from .tensor_parallel import SplitRules, load_rules
 from .zeroset import ZeroSet

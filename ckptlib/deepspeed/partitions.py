@@ -15,7 +15,7 @@ from ..layout.flat import FlatGroupLayout, Zero3Layout
 from . import files as fnames
 from . import offload
 from .fileset import OpenedFiles
-from .moe import expert_groups, expert_id, global_name
+from .moe import expert_groups, global_name
 from .records import BF16_OPTIMIZER, FileInfo, ParameterInfo, Records
 from .releases import written_by
 from .values import as_int

@@ -42,7 +42,7 @@ from typing import Any, ClassVar, Optional
 from ..deepspeed import Checkpoint, hf
 from ..deepspeed.exactness import value_proofs
 from ..deepspeed.records import NO_ZERO
-from ..dtypes import BY_SHORT, OUTPUT_DTYPES, is_floating
+from ..dtypes import BY_SHORT, OUTPUT_DTYPES
 from ..errors import CkptError, IncompleteCheckpointError, UnsupportedCheckpointError
 from ..io.crc import entries_touching
 from ..io.dcp import SUFFIX, BytesEntry, Chunk, DcpMetadata, Item, TensorEntry, metadata_pickle, place
@@ -51,6 +51,7 @@ from ..io.torchzip.specs import NewTensor
 from ..mesh import Rank
 from ..plan import PROCESSES, BlobFile, CopyFile, DistcpFile, Plan, RangeCheck
 from ..units import human_bytes
+from .weights import model_tensors
 
 LAYOUTS = ("torch", "torchtitan", "accelerate")
 ADAM_KEYS = ("lr", "betas", "eps", "weight_decay")
@@ -254,30 +255,19 @@ def _steps(ck: Checkpoint) -> int:
 
 
 def _model_values(ck: Checkpoint, out_dtype: str, prefix: tuple) -> list[Value]:
-    params = {p.name: p for p in ck.parameters}
-    buffers = {b.name: b for b in ck.buffers}
-    out = []
-    for name in ck.state_dict_names():
-        if name in buffers:
-            b = buffers[name]
-            dt = out_dtype if is_floating(b.dtype) else b.dtype
-            shape = tuple(b.shape)
-        else:
-            owner = params[params[name].tied_to] if params[name].tied_to else params[name]
-            dt, shape, b = out_dtype, tuple(owner.shape), None
-        source = name if b is not None else (params[name].tied_to or name)
-        path = prefix + (name,)
+    def sources(name: str) -> list:
         try:
-            ranges = tuple(ck.sources(source))
+            return ck.sources(name)
         except IncompleteCheckpointError:
             raise UnsupportedCheckpointError(
-                f"no data saved for the frozen parameter {source} (the checkpoint was saved with "
+                f"no data saved for the frozen parameter {name} (the checkpoint was saved with "
                 "exclude_frozen_parameters): a DCP model state holds every parameter, and FSDP2's load fails on a "
                 "missing one", path=ck.location.tag_dir,
                 hint="export from a checkpoint saved with its frozen parameters, or load them from the base model "
                      "after a load with allow_partial_load") from None
-        out.append(Value(".".join(path), path, NewTensor(dt, shape, ranges), source=source))
-    return out
+
+    return [Value(".".join(prefix + (t.name,)), prefix + (t.name,), NewTensor(t.dtype, t.shape, t.ranges),
+                  source=t.source) for t in model_tensors(ck, out_dtype, sources=sources)]
 
 
 def _state_values(ck: Checkpoint, trainable: list, step: int, prefix: tuple) -> list[Value]:

@@ -15,8 +15,8 @@ from typing import Optional, Sequence
 from ..dcp import open_dcp
 from ..dtypes import BY_SHORT, OUTPUT_DTYPES, is_floating
 from ..errors import CkptError
-from ..plan import PlannedTensor, SourceRef, TextFile, WeightsFile
-from .weights import ExportPlan, file_names, index_json, shard_tensors, weights_file_size
+from ..plan import PlannedTensor, SourceRef
+from .weights import ExportPlan, weights_files
 
 
 def plan_from_dcp(path: os.PathLike, out: os.PathLike, *, format: str, dtype: str, limit: int,
@@ -42,22 +42,7 @@ def plan_from_dcp(path: os.PathLike, out: os.PathLike, *, format: str, dtype: st
         sets.append((key + "/", [PlannedTensor(name, name, key, "state", t.shape, "float32", tuple(d.sources(t)))
                                  for (name, k), t in d.states.items() if k == key]))
     step = _step(d) if states else None
-    files, finals, index_files = [], [], {}
-    for prefix, tensors in sets:
-        shards = shard_tensors(tensors, limit)
-        names, index = file_names(format, max(len(shards), 1))
-        key = tensors[0].key if tensors else None
-        meta = {"format": "pt", **({"optimizer_state": key} if key else {})}
-        if key and step is not None:
-            meta["step"] = str(step)
-        group = [WeightsFile(prefix + name, format, shard, dict(meta) if format == "safetensors" else {},
-                             kind="state" if key else "weights") for name, shard in zip(names, shards or [[]])]
-        for f in group:
-            f.size = weights_file_size(f)
-        files += group
-        if index:
-            index_files[prefix + index] = [f.name for f in group]
-            finals.append(TextFile(prefix + index, index_json(group, key), kind="index"))
+    files, finals, index_files = weights_files(sets, format, limit, step)
     src = SourceRef(save_dir=os.fspath(d.path), tag="", tag_dir=os.fspath(d.path), zero_stage=None, flavor="dcp",
                     dtype=None, dp_world_size=None, partition_count=None, total_bytes=d.total_bytes,
                     stamps=d.stamps())

@@ -12,36 +12,16 @@ from typing import Optional, Sequence, Union
 from ..dcp import is_dcp
 from ..deepspeed import Checkpoint, hf, open_checkpoint
 from ..deepspeed.exactness import require_exact, value_proofs
-from ..dtypes import BY_SHORT, OUTPUT_DTYPES, is_floating
+from ..dtypes import BY_SHORT, OUTPUT_DTYPES
 from ..errors import CkptError
 from ..io.crc import entries_touching
 from ..io.streaming import DEFAULT_CHUNK_BYTES
-from ..plan import CopyFile, PlannedTensor, RangeCheck, TextFile, WeightsFile
+from ..plan import CopyFile, PlannedTensor, RangeCheck, TextFile
 from ..system.gcpause import gc_paused
 from ..units import parse_size
-from .weights import ExportPlan, file_names, index_json, shard_tensors, weights_file_size
+from .weights import ExportPlan, model_tensors, weights_files
 
 FORMATS = ("safetensors", "torch", "dcp")
-
-
-def _weights(ck: Checkpoint, out_dtype: str, exclude_frozen: bool) -> list[PlannedTensor]:
-    params = {p.name: p for p in ck.parameters}
-    buffers = {b.name: b for b in ck.buffers}
-    out = []
-    for name in ck.state_dict_names():
-        if name in buffers:
-            b = buffers[name]
-            dt = out_dtype if is_floating(b.dtype) else b.dtype
-            out.append(PlannedTensor(name, name, None, "buffer", tuple(b.shape), dt, tuple(ck.sources(name))))
-            continue
-        p = params[name]
-        owner = params[p.tied_to] if p.tied_to else p
-        if exclude_frozen and not owner.trainable:
-            continue
-        kind = "tied" if p.tied_to else ("trainable" if p.trainable else "frozen")
-        out.append(PlannedTensor(name, owner.name, None, kind, tuple(owner.shape), out_dtype,
-                                 tuple(ck.sources(owner.name))))
-    return out
 
 
 @gc_paused
@@ -117,7 +97,7 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
             warnings.append(f"ZeRO-0: {', '.join(lowp)} in no optimizer group (frozen; the checkpoint holds no fp32 "
                             f"master for them): exported from the {ck.dtype} module weights")
     out_dtype = BY_SHORT[dtype].name
-    sets = [("", _weights(ck, out_dtype, exclude_frozen))]
+    sets = [("", model_tensors(ck, out_dtype, exclude_frozen))]
     known = set(ck.optimizer.state_keys) if ck.optimizer else set()
     step = ck.optimizer.step if ck.optimizer else None
     for key in states:
@@ -127,25 +107,7 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
         sets.append((key + "/", [PlannedTensor(p.name, p.name, key, "state", tuple(p.shape), "float32",
                                                tuple(ck.sources(p.name, key)))
                                  for p in ck.parameters if p.trainable and not p.tied_to]))
-    files, finals, index_files = [], [], {}
-    for prefix, tensors in sets:
-        shards = shard_tensors(tensors, limit)
-        names, index = file_names(format, max(len(shards), 1))
-        meta = {"format": "pt"}
-        key = tensors[0].key if tensors else None
-        if key:
-            meta["optimizer_state"] = key
-            if step is not None:
-                meta["step"] = str(step)
-        group = [WeightsFile(prefix + name, format, shard, dict(meta) if format == "safetensors" else {},
-                             kind="state" if key else "weights")
-                 for name, shard in zip(names, shards or [[]])]
-        for f in group:
-            f.size = weights_file_size(f)
-        files += group
-        if index:
-            index_files[prefix + index] = [f.name for f in group]
-            finals.append(TextFile(prefix + index, index_json(group, key), kind="index"))
+    files, finals, index_files = weights_files(sets, format, limit, step)
     checks = [RangeCheck(what, tuple(a), tuple(b), a[0].dtype if a else "float32")  # compared as stored
               for f in files for t in f.tensors for what, a, b in ck.replica_checks(t.source, t.key)
               if t.kind != "tied"] + value_proofs(ck)

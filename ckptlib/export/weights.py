@@ -13,7 +13,8 @@ from typing import ClassVar, Optional
 from ..io.stformat import SafetensorsLayout, TensorSpec
 from ..io.torchzip.specs import NewTensor
 from ..io.torchzip.writer import file_size
-from ..plan import PROCESSES, Plan, WeightsFile
+from ..dtypes import is_floating
+from ..plan import PROCESSES, PlannedTensor, Plan, TextFile, WeightsFile
 from ..units import human_bytes
 
 
@@ -139,4 +140,55 @@ def index_json(group: list[WeightsFile], key: Optional[str]) -> str:
     return json.dumps({"metadata": meta, "weight_map": weight_map}, indent=2, sort_keys=True) + "\n"
 
 
-__all__ = ["ExportPlan", "shard_tensors", "file_names", "index_json", "weights_file_size"]
+def model_tensors(ck, out_dtype: str, exclude_frozen: bool = False, sources=None) -> list[PlannedTensor]:
+    """The tensors of the model's state dict (a DeepSpeed :class:`~ckptlib.deepspeed.Checkpoint` ``ck``), in its
+    order: each parameter (a tied one from its owner's ranges) as ``out_dtype``, each buffer as ``out_dtype``
+    when it is floating point, else as stored; ``exclude_frozen`` leaves out the frozen parameters.
+    ``sources(name)`` gives a tensor's ranges (default ``ck.sources``). Metadata only."""
+    sources = sources or ck.sources
+    params = {p.name: p for p in ck.parameters}
+    buffers = {b.name: b for b in ck.buffers}
+    out = []
+    for name in ck.state_dict_names():
+        if name in buffers:
+            b = buffers[name]
+            dt = out_dtype if is_floating(b.dtype) else b.dtype
+            out.append(PlannedTensor(name, name, None, "buffer", tuple(b.shape), dt, tuple(sources(name))))
+            continue
+        p = params[name]
+        owner = params[p.tied_to] if p.tied_to else p
+        if exclude_frozen and not owner.trainable:
+            continue
+        kind = "tied" if p.tied_to else ("trainable" if p.trainable else "frozen")
+        out.append(PlannedTensor(name, owner.name, None, kind, tuple(owner.shape), out_dtype,
+                                 tuple(sources(owner.name))))
+    return out
+
+
+def weights_files(sets: list, format: str, limit: int, step: Optional[int] = None) -> tuple[list, list, dict]:
+    """The files of an export: for each ``(prefix, tensors)`` of ``sets`` (the weights under ``""``, then an
+    optimizer state's tensors under its ``key/``), its shards of at most ``limit`` bytes as
+    :class:`~ckptlib.plan.WeightsFile` s with their exact sizes, and an index file when there are several.
+    Safetensors metadata records the format, the optimizer state and (with one) its ``step``. Returns
+    ``(files, index files as TextFile s, {index file name: [file names]})``."""
+    files, finals, index_files = [], [], {}
+    for prefix, tensors in sets:
+        shards = shard_tensors(tensors, limit)
+        names, index = file_names(format, max(len(shards), 1))
+        key = tensors[0].key if tensors else None
+        meta = {"format": "pt", **({"optimizer_state": key} if key else {})}
+        if key and step is not None:
+            meta["step"] = str(step)
+        group = [WeightsFile(prefix + name, format, shard, dict(meta) if format == "safetensors" else {},
+                             kind="state" if key else "weights") for name, shard in zip(names, shards or [[]])]
+        for f in group:
+            f.size = weights_file_size(f)
+        files += group
+        if index:
+            index_files[prefix + index] = [f.name for f in group]
+            finals.append(TextFile(prefix + index, index_json(group, key), kind="index"))
+    return files, finals, index_files
+
+
+__all__ = ["ExportPlan", "shard_tensors", "file_names", "index_json", "weights_file_size", "model_tensors",
+           "weights_files"]

@@ -24,8 +24,8 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ...dtypes import itemsize
-from ..torchzip.opcodes import emit_scalar
+from ...dtypes import Shaped
+from ..torchzip.opcodes import emit_container, emit_scalar
 from ..torchzip.standins import TorchSize
 
 VERSION = "1.0.0"  # torch.distributed.checkpoint.filesystem.CURRENT_DCP_VERSION in torch 2.4 to 2.13
@@ -50,21 +50,13 @@ class Chunk:
 
 
 @dataclass
-class TensorEntry:
+class TensorEntry(Shaped):
     """A tensor of the checkpoint under its flattened key ``fqn``: dtype name, full shape, stored chunks."""
 
     fqn: str
     dtype: str
     shape: tuple
     chunks: list = field(default_factory=list)
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * itemsize(self.dtype)
 
 
 @dataclass
@@ -134,26 +126,8 @@ class _Emitter:
             self.glob("torch", "Size")
             self.emit((tuple(obj),))
             o += b"R"
-        elif isinstance(obj, tuple):
-            o += b"("
-            for x in obj:
-                self.emit(x)
-            o += b"t"
-        elif isinstance(obj, list):
-            o += b"]"
-            if obj:
-                o += b"("
-                for x in obj:
-                    self.emit(x)
-                o += b"e"
-        elif isinstance(obj, dict):
-            o += b"}"
-            if obj:
-                o += b"("
-                for k, v in obj.items():
-                    self.emit(k)
-                    self.emit(v)
-                o += b"u"
+        elif emit_container(o, obj, self.emit):
+            pass
         elif isinstance(obj, _Obj):
             self.glob(obj.module, obj.name)
             o += b")\x81"  # cls.__new__(cls), then BUILD with the state

@@ -1,9 +1,9 @@
-"""Protocol-2 pickle opcodes of the plain values, shared by ckptlib's two pickle writers (the torch zip
+"""Protocol-2 pickle opcodes of the plain values and containers, shared by ckptlib's two pickle writers (the torch zip
 files' :mod:`.writer` and DCP's ``.metadata`` in :mod:`ckptlib.io.dcp.metadata`)."""
 from __future__ import annotations
 
 import struct
-from typing import Any
+from typing import Any, Callable
 
 
 def emit_scalar(out: bytearray, obj: Any) -> bool:
@@ -30,3 +30,41 @@ def emit_scalar(out: bytearray, obj: Any) -> bool:
     else:
         return False
     return True
+
+
+def emit_container(out: bytearray, obj: Any, emit: Callable[[Any], None]) -> bool:
+    """Append the opcodes of a tuple, a list or a dict (any dict as a plain one: a writer that keeps the class of
+    an ``OrderedDict`` checks it first) to ``out``, each element through ``emit``, as ``pickle`` writes them (``EMPTY_TUPLE`` or
+    ``MARK ... TUPLE``, ``EMPTY_LIST`` / ``EMPTY_DICT`` then ``MARK ... APPENDS`` / ``SETITEMS`` when not
+    empty); False (nothing written) otherwise."""
+    if isinstance(obj, tuple):
+        if not obj:
+            out += b")"
+            return True
+        out += b"("
+        for x in obj:
+            emit(x)
+        out += b"t"
+    elif isinstance(obj, list):
+        out += b"]"
+        if obj:
+            out += b"("
+            for x in obj:
+                emit(x)
+            out += b"e"
+    elif isinstance(obj, dict):
+        out += b"}"
+        emit_items(out, obj, emit)
+    else:
+        return False
+    return True
+
+
+def emit_items(out: bytearray, d: dict, emit: Callable[[Any], None]) -> None:
+    """The ``MARK key value ... SETITEMS`` of a dict's items (nothing for an empty one)."""
+    if d:
+        out += b"("
+        for k, v in d.items():
+            emit(k)
+            emit(v)
+        out += b"u"

@@ -26,7 +26,7 @@ from ..sources import SourceFiles
 from ..streaming import ChunkBuffers, copy_ranges
 from .handles import TensorHandle
 from .specs import NewTensor, StorageAddress, StoredTensor
-from .opcodes import emit_scalar
+from .opcodes import emit_container, emit_items, emit_scalar
 from .standins import FragmentAddress, Standin, TorchDevice, TorchDType, TorchSize, ZeroStage
 from .trees import as_specs, walk_tensors
 from .zipfmt import ALIGN, ZIP64_LIMIT, central_directory, layout_records, local_header
@@ -59,28 +59,12 @@ class _Pickle:
             self.glob("torch", "Size")
             self.emit((tuple(obj),))
             o += b"R"
-        elif isinstance(obj, tuple):
-            if not obj:
-                o += b")"
-            else:
-                o += b"("
-                for x in obj:
-                    self.emit(x)
-                o += b"t"
-        elif isinstance(obj, list):
-            o += b"]"
-            if obj:
-                o += b"("
-                for x in obj:
-                    self.emit(x)
-                o += b"e"
         elif isinstance(obj, collections.OrderedDict):
             self.glob("collections", "OrderedDict")
             o += b")R"
-            self._items(obj)
-        elif isinstance(obj, dict):
-            o += b"}"
-            self._items(obj)
+            emit_items(o, obj, self.emit)
+        elif emit_container(o, obj, self.emit):
+            pass
         elif isinstance(obj, (set, frozenset)):
             self.glob("builtins", "set" if isinstance(obj, set) else "frozenset")
             self.emit((sorted(obj, key=repr),))
@@ -103,14 +87,6 @@ class _Pickle:
             o += b"b"
         else:
             raise TypeError(f"cannot write an object of type {type(obj).__name__} into a checkpoint")
-
-    def _items(self, d: dict) -> None:
-        if d:
-            self.out += b"("
-            for k, v in d.items():
-                self.emit(k)
-                self.emit(v)
-            self.out += b"u"
 
     def _tensor(self, t) -> None:
         key, dtype, numel = self.key(t)
