@@ -24,8 +24,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tests.fixtures.factory import check_fixture_dir, run_generator  # noqa: E402
-from tests.fixtures.torchrun import log_tail  # noqa: E402
+from tests.fixtures.factory import LAUNCH_TIMEOUT, check_fixture_dir  # noqa: E402
+from tests.fixtures.torchrun import log_tail, torchrun  # noqa: E402
 
 FIXTURE = "z2_bf16_w2"
 WORLD = 2
@@ -39,7 +39,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="ckptlib-sample-") as tmp:
         tmp = Path(tmp)
         log = tmp / "generate.log"
-        rc = run_generator(WORLD, tmp / "out", log, only=[FIXTURE])
+        rc = torchrun(REPO / "tests" / "fixtures" / "generate.py", WORLD, ["--out", str(tmp / "out"), "--only", FIXTURE],
+                      log, LAUNCH_TIMEOUT, launcher="torchrun")
         src = tmp / "out" / FIXTURE
         problems = check_fixture_dir(src)
         if problems:
