@@ -33,25 +33,19 @@ def emit_scalar(out: bytearray, obj: Any) -> bool:
 
 
 def emit_container(out: bytearray, obj: Any, emit: Callable[[Any], None]) -> bool:
-    """Append the opcodes of a tuple, a list or a dict (any dict as a plain one: a writer that keeps the class of
-    an ``OrderedDict`` checks it first) to ``out``, each element through ``emit``, as ``pickle`` writes them (``EMPTY_TUPLE`` or
-    ``MARK ... TUPLE``, ``EMPTY_LIST`` / ``EMPTY_DICT`` then ``MARK ... APPENDS`` / ``SETITEMS`` when not
-    empty); False (nothing written) otherwise."""
+    """Append the opcodes of a tuple, a list or a dict (any dict as a plain one: a writer that keeps the class
+    of an ``OrderedDict`` checks it first) to ``out``, each element through ``emit``, as ``pickle`` writes
+    them (``EMPTY_TUPLE`` or ``MARK ... TUPLE``; ``EMPTY_LIST`` / ``EMPTY_DICT``, then ``MARK ... APPENDS`` /
+    ``SETITEMS`` when not empty); False (nothing written) otherwise."""
     if isinstance(obj, tuple):
-        if not obj:
+        if obj:
+            _marked(out, obj, emit, b"t")
+        else:
             out += b")"
-            return True
-        out += b"("
-        for x in obj:
-            emit(x)
-        out += b"t"
     elif isinstance(obj, list):
         out += b"]"
         if obj:
-            out += b"("
-            for x in obj:
-                emit(x)
-            out += b"e"
+            _marked(out, obj, emit, b"e")
     elif isinstance(obj, dict):
         out += b"}"
         emit_items(out, obj, emit)
@@ -63,8 +57,11 @@ def emit_container(out: bytearray, obj: Any, emit: Callable[[Any], None]) -> boo
 def emit_items(out: bytearray, d: dict, emit: Callable[[Any], None]) -> None:
     """The ``MARK key value ... SETITEMS`` of a dict's items (nothing for an empty one)."""
     if d:
-        out += b"("
-        for k, v in d.items():
-            emit(k)
-            emit(v)
-        out += b"u"
+        _marked(out, (x for kv in d.items() for x in kv), emit, b"u")
+
+
+def _marked(out: bytearray, items, emit: Callable[[Any], None], end: bytes) -> None:
+    out += b"("
+    for x in items:
+        emit(x)
+    out += end
