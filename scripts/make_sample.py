@@ -39,8 +39,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="ckptlib-sample-") as tmp:
         tmp = Path(tmp)
         log = tmp / "generate.log"
-        rc = torchrun(REPO / "tests" / "fixtures" / "generate.py", WORLD, ["--out", str(tmp / "out"), "--only", FIXTURE],
-                      log, LAUNCH_TIMEOUT, launcher="torchrun")
+        rc = torchrun(REPO / "tests" / "fixtures" / "generate.py", WORLD,
+                      ["--out", str(tmp / "out"), "--only", FIXTURE], log, LAUNCH_TIMEOUT, launcher="torchrun")
         src = tmp / "out" / FIXTURE
         problems = check_fixture_dir(src)
         if problems:

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Optional
 
+from ..dtypes import is_floating
 from ..io.stformat import SafetensorsLayout, TensorSpec
 from ..io.torchzip.specs import NewTensor
 from ..io.torchzip.writer import file_size
-from ..dtypes import is_floating
 from ..plan import PROCESSES, PlannedTensor, Plan, TextFile, WeightsFile
 from ..units import human_bytes
 
