@@ -157,7 +157,8 @@ def test_no_private_attribute_is_reached_from_another_module():
 #: (each package's docstring says the same). The vocabulary at the package's top is the floor; the public
 #: API (``ckptlib/__init__.py``, which loads its names lazily) and the faces (ui, cli, the launcher) the roof.
 LAYERS = [
-    ("vocabulary", ("ckptlib.errors", "ckptlib.units", "ckptlib.dtypes", "ckptlib.mesh", "ckptlib.progress")),
+    ("vocabulary", ("ckptlib.errors", "ckptlib.units", "ckptlib.dtypes", "ckptlib.mesh", "ckptlib.progress",
+                    "ckptlib.kinds")),
     ("layout", ("ckptlib.layout",)),
     ("plan", ("ckptlib.plan",)),
     ("system", ("ckptlib.system",)),

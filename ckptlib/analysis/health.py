@@ -7,7 +7,8 @@
 
 Per tensor: ``numel``, ``nan``, ``inf``, ``zeros``, ``min``, ``max``, ``mean``, ``std`` (sample, as
 torch.std), ``norm`` (L2), accumulated in float64 (:mod:`ckptlib.analysis.tensorstats`). Problems, each naming the
-tensor and the file it lives in: NaN or Inf values; an Adam ``exp_avg_sq`` below zero; a saved 16-bit
+tensor and the file it lives in: NaN or Inf values; a state its optimizer keeps non-negative (Adam's
+``exp_avg_sq``, Adagrad's ``sum``: :mod:`ckptlib.kinds.optimizers`) below zero; a saved 16-bit
 weight that is not the fp32 master cast to the training dtype (checkpoints holding both: ZeRO-0/1/2,
 BF16_Optimizer; compared while the master streams, so it is read once); optimizer steps that differ
 between ranks or (sub-)groups; padding the files record over parameter elements
@@ -216,7 +217,7 @@ class _Scanner:
         stats, tally, mismatched = RunningStats(), {}, {}
         windows = self.master.windows(index, dtype, spans)
         lowp = self.second.windows(lowp_index, item.lowp_dtype, spans) if item.lowp else None
-        negative = item.state == "exp_avg_sq"
+        negative = bool(item.never_negative)
         try:
             for s, x in windows:
                 check_cancel(self.cancel)
@@ -243,8 +244,7 @@ class _Scanner:
                 problems.append(Problem(item.key, self.label(path), f"{nan} NaN and {inf} Inf values (of "
                                         f"{stats.total:,}) in this file's part of the tensor"))
             if neg:
-                problems.append(Problem(item.key, self.label(path), f"{neg} values below zero: Adam's exp_avg_sq "
-                                        "(a running mean of squared gradients) is never negative"))
+                problems.append(Problem(item.key, self.label(path), f"{neg} values below zero: {item.never_negative}"))
         for path, bad in mismatched.items():
             problems.append(Problem(item.key, self.label(path),
                                     f"the saved {item.lowp_dtype} weight differs from the fp32 master cast to "

@@ -26,6 +26,7 @@ from ..deepspeed.moe import global_name
 from ..dtypes import is_floating
 from ..errors import IncompleteCheckpointError, UnsupportedCheckpointError
 from ..io.torchzip import TensorHandle
+from ..kinds.optimizers import MEANINGS
 from .scan import Problem
 
 
@@ -35,7 +36,9 @@ class StatsItem:
     ``state``, ``buffer``: floating buffers), stored dtype, shape, ranges; ``lowp``: the ranges of the saved 16-bit (training dtype)
     weight of a master, compared with the master cast to ``lowp_dtype``; ``replicas``: ``(what, ranges,
     replica ranges)`` for each further copy another stage or tensor rank stores (a tied layer on several
-    stages, a tensor replicated across tensor ranks), which must hold the same bytes."""
+    stages, a tensor replicated across tensor ranks), which must hold the same bytes; ``never_negative``:
+    for a state its optimizer keeps at or above zero (a second moment, a sum of squares), why (a value below
+    zero is then a problem), else empty."""
 
     key: str
     kind: str
@@ -46,6 +49,7 @@ class StatsItem:
     lowp: tuple = ()
     lowp_dtype: Optional[str] = None
     replicas: tuple = ()
+    never_negative: str = ""
 
 
 @dataclass(frozen=True)
@@ -139,11 +143,11 @@ def stats_items(ck: Checkpoint, states: bool = False, notes: Optional[list] = No
     if states and ck.optimizer:
         for key in ck.optimizer.state_keys:
             for p in ck.parameters:
-                if not p.trainable or p.tied_to:
+                if not p.trainable or p.tied_to or key not in ck.state_keys(p.name):
                     continue
                 try:
                     ranges = tuple(ck.sources(p.name, key))
-                except KeyError:
+                except KeyError:  # stage 0: an optimizer entry without this key
                     continue
                 except UnsupportedCheckpointError as e:  # ZeRO-0: which parameter's state it is is not known
                     if notes is not None and e.message not in notes:
@@ -151,8 +155,18 @@ def stats_items(ck: Checkpoint, states: bool = False, notes: Optional[list] = No
                     continue
                 if ranges and is_floating(ranges[0].dtype):
                     out.append(StatsItem(f"{key}/{p.name}", "state", ranges[0].dtype, tuple(p.shape), ranges, key,
-                                         replicas=replica_pairs(ck, p.name, key)))
+                                         replicas=replica_pairs(ck, p.name, key),
+                                         never_negative=never_negative(ck.state_group(p.name), key)))
     return out
+
+
+def never_negative(group, key: str) -> str:
+    """Why state ``key`` of an optimizer group (a :class:`~ckptlib.kinds.optimizers.GroupStates`) cannot be below
+    zero ("Adam/AdamW's exp_avg_sq (a running mean of squared gradients) is never negative"), or "" where it
+    can (momentum is signed) or the group is not known."""
+    if group is None or key not in group.family.nonnegative:
+        return ""
+    return f"{group.family.label}'s {key} ({MEANINGS.get(key, 'a sum of squares')}) is never negative"
 
 
 def groups_of(zs) -> int:
@@ -205,7 +219,6 @@ def _flat_problems(ck: Checkpoint, label: dict, notes: Optional[list]) -> list[P
                      "(DeepSpeed computes them in the natural order, not the round-robin order of the flat groups)")
     for _, zs in zero_sets(ck):
         experts = zs.records.expert_groups
-        keys = zs.optimizer.state_keys if zs.optimizer else []
         for rank in sorted(zs.records.index.optim):
             r, osd = rank.dp, zs.optimizer_state_dict(rank)
             file = label.get(os.fspath(zs.optim_states_file(rank).path), "")
@@ -227,17 +240,14 @@ def _flat_problems(ck: Checkpoint, label: dict, notes: Optional[list]) -> list[P
                                            f"({lay.tail_padding(k)} padding elements)"))
                 if not round_robin and isinstance(maps, (list, tuple)) and g < len(maps) and isinstance(maps[g], dict):
                     out += _mapping_problems(lay, k, g, maps[g], file, who, named)
-                for key in keys:
-                    try:
-                        t = zs.partition_tensor(rank, g, key)
-                    except KeyError:
-                        continue
-                    if isinstance(t, TensorHandle) and t.numel not in (lay.lean_length(k), part):
-                        out.append(Problem(f"{key}/group {g}", file, f"the {key} partition of group {g} on {who} "
-                                           f"holds {t.numel} elements; the layout needs {lay.lean_length(k)} (or "
-                                           f"{part} with the padding), so parameter elements and padding would be "
-                                           "misplaced"))
     return out
+
+
+def state_problems(ck: Checkpoint) -> list[Problem]:
+    """Optimizer states whose stored sizes fit no layout of their optimizer (:mod:`ckptlib.deepspeed.states`:
+    partition-sized per-element keys, Muon's whole matrices per rank at ZeRO-1/2)."""
+    return [Problem(f"{p.key}/group {p.group}", p.file, p.what)
+            for _, zs in zero_sets(ck) if zs.optimizer for p in zs.optimizer.state_problems]
 
 
 def _mapping_problems(lay, k: int, g: int, recorded: dict, file: str, who: str, named=str) -> list[Problem]:
@@ -263,27 +273,6 @@ def _mapping_problems(lay, k: int, g: int, recorded: dict, file: str, who: str, 
     return out
 
 
-def _zero3_problems(ck: Checkpoint, label: dict) -> list[Problem]:
-    out: list[Problem] = []
-    for _, zs in zero_sets(ck):
-        sizes = zs.layouts[0].sub_group_sizes
-        keys = zs.optimizer.state_keys if zs.optimizer else []
-        for rank in sorted(zs.records.index.optim):
-            file = label.get(os.fspath(zs.optim_states_file(rank).path), "")
-            for k, size in enumerate(sizes):
-                for key in keys:
-                    try:
-                        t = zs.partition_tensor(rank, k, key)
-                    except KeyError:
-                        continue
-                    if isinstance(t, TensorHandle) and t.numel != size:
-                        out.append(Problem(f"{key}/sub-group {k}", file, f"the {key} partition of sub-group {k} on "
-                                           f"{rank} holds {t.numel} elements; the ceil(numel/"
-                                           f"{zs.layouts[0].world_size}) chunks of its parameters need {size}, so "
-                                           "parameter elements and padding would be misplaced"))
-    return out
-
-
 def identity_problems(ck: Checkpoint) -> list[Problem]:
     """Rank files that were saved as another file, or hold another rank's partition byte for byte
     (:mod:`ckptlib.deepspeed.exactness`; the paddings and mappings are :func:`layout_problems`)."""
@@ -297,7 +286,7 @@ def layout_problems(ck: Checkpoint, label: dict, notes: Optional[list] = None) -
     """Padding the files record that covers parameter elements, by the layout arithmetic."""
     if ck.flavor == NO_ZERO or not ck.layouts:
         return []
-    return _zero3_problems(ck, label) if ck.zero_stage == 3 else _flat_problems(ck, label, notes)
+    return state_problems(ck) + ([] if ck.zero_stage == 3 else _flat_problems(ck, label, notes))
 
 
 __all__ = ["StatsItem", "StepItem", "file_labels", "stats_items", "step_items", "layout_problems", "identity_problems",

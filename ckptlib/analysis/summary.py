@@ -9,6 +9,9 @@ from typing import Any
 
 from ..deepspeed import Checkpoint, exactness
 from ..deepspeed.discovery import repair_hint
+from ..dtypes import BY_NAME
+from ..kinds.optimizers import PARTITIONED, WHOLE_PARAMS
+from ..kinds.optimizers import describe as describe_families
 from ..units import human_bytes
 
 
@@ -16,7 +19,8 @@ def all_problems(ckpt: Checkpoint) -> list[str]:
     """What opening found wrong, and every rank file that does not hold what its name says
     (:mod:`ckptlib.deepspeed.exactness`: what export, reshard and universal would refuse)."""
     found = [str(f) for f in exactness.findings(ckpt)] if not ckpt.refusals else []
-    return list(ckpt.problems) + [f for f in found if f not in ckpt.problems]
+    found += [str(p) for zs in ckpt.sets.values() if zs.optimizer for p in zs.optimizer.state_problems]
+    return list(ckpt.problems) + [f for f in dict.fromkeys(found) if f not in ckpt.problems]
 
 
 def describe(ckpt: Checkpoint) -> dict[str, Any]:
@@ -50,6 +54,13 @@ def describe(ckpt: Checkpoint) -> dict[str, Any]:
             "step": opt.step,
             "loss_scale": opt.loss_scale,
             "param_groups": opt.param_groups,
+            "optimizers": describe_families(opt.groups),
+            "groups": [{"group": g.group, "name": g.name, "optimizer": g.family.name, "label": g.family.label,
+                        "keys": [{"key": k.name, "layout": k.layout, "dtype": k.dtype} for k in g.keys],
+                        "step": g.step, "parameters": sum(1 for p in ckpt.main.parameters
+                                                          if p.trainable and not p.tied_to and p.group == g.group)}
+                       for g in opt.groups],
+            "state_problems": [str(p) for p in opt.state_problems],
         },
         "parameters": [
             {"name": p.name, "shape": list(p.shape), "numel": p.numel, "trainable": p.trainable,
@@ -113,8 +124,18 @@ def format_text(ckpt: Checkpoint) -> str:
     ]
     if ckpt.optimizer:
         o = ckpt.optimizer
-        lines.append(f"optimizer   {o.wrapper}; state {', '.join(o.state_keys) or '-'}; step {o.step}"
+        lines.append(f"optimizer   {o.wrapper}" + (f" stepping {describe_families(o.groups)}" if o.groups else "")
+                     + f"; state {', '.join(o.state_keys) or '-'}; step {o.step}"
                      + (f"; loss scale {o.loss_scale:g}" if o.loss_scale is not None else ""))
+        mixed = len({(g.family, g.key_names, g.step) for g in o.groups}) > 1
+        if mixed or any(k.layout != PARTITIONED for g in o.groups for k in g.keys):
+            for g in d["optimizer"]["groups"]:
+                keys = ", ".join(f"{k['key']} ({BY_NAME[k['dtype']].short or k['dtype']}"
+                                 + (", whole matrices per rank" if k["layout"] == WHOLE_PARAMS else "") + ")"
+                                 for k in g["keys"]) or "no per-element state"
+                lines.append(f"  group {g['group']}{' ' + g['name'] if g['name'] else ''}: {g['label']}; {keys}; "
+                             + (f"step {g['step']}" if g["step"] is not None else "no step")
+                             + f"; {g['parameters']} parameter{'s' if g['parameters'] != 1 else ''}")
     n_tied = sum(1 for p in ckpt.parameters if p.tied_to)
     n_frozen = sum(1 for p in ckpt.parameters if not p.trainable and not p.tied_to)
     lines.append(f"parameters  {len(ckpt.parameters)} tensors, {d['parameter_count']:,} elements "

@@ -117,11 +117,8 @@ def checkpoint_tensors(ck: Checkpoint, states: bool = False, notes: Optional[lis
     if states and ck.optimizer:
         for key in ck.optimizer.state_keys:
             for p in ck.parameters:
-                if p.trainable and not p.tied_to:
-                    try:
-                        ranges = tuple(ck.sources(p.name, key))
-                    except KeyError:
-                        continue
+                if p.trainable and not p.tied_to and key in ck.state_keys(p.name):
+                    ranges = tuple(ck.sources(p.name, key))
                     out[f"{key}/{p.name}"] = NamedTensor(f"{key}/{p.name}", ranges[0].dtype if ranges else "float32",
                                                          tuple(p.shape), ranges, key)
     return out

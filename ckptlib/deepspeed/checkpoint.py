@@ -227,9 +227,21 @@ class Checkpoint:
         self.check_readable()
         return self.view.sources(name, key)
 
+    def state_group(self, name: str):
+        """What the optimizer group of parameter ``name`` keeps (a :class:`~ckptlib.kinds.optimizers.GroupStates`:
+        its optimizer family, keys, step), or None for a frozen parameter or where the groups are not known."""
+        return self.view.state_group(name)
+
+    def state_keys(self, name: str) -> tuple:
+        """The per-element optimizer state keys parameter ``name`` has: those its group keeps (a Muon matrix
+        ``momentum_buffer``, an Adam-stepped parameter of the same run ``exp_avg`` and ``exp_avg_sq``); none for a
+        frozen parameter or a buffer."""
+        return self.view.state_keys(name)
+
     def replica_checks(self, name: str, key: Optional[str] = None) -> list[tuple[str, list, list]]:
         """``(what, ranges, replica ranges)`` for each copy of ``name`` that another rank also stores
-        (replicated across tensor ranks): they must be equal, and plans compare them."""
+        (replicated across tensor ranks, or a whole-parameter state held by several data ranks): they must be
+        equal, and plans compare them."""
         self.check_readable()
         return self.view.replica_checks(name, key)
 

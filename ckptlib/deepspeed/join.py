@@ -225,7 +225,8 @@ def pipeline_view(stage_views: dict, sets: dict, tp: int, problems: list) -> Mod
     for v in stage_views.values():
         notes += v.notes
     return ModelView(params, buffers, order, blocks, lambda source, key: sets[source[0]].sources(source[1], key),
-                     PIPELINE, list(dict.fromkeys(notes)), roles=roles, padded=padded)
+                     PIPELINE, list(dict.fromkeys(notes)), roles=roles, padded=padded,
+                     sets={zs.mp: zs for zs in sets.values()})
 
 
 def _with_replicas(name: str, first: list, later: list, stage: int, problems: list) -> list:

@@ -44,6 +44,7 @@ class ModelView:
     roles: dict = field(default_factory=dict)  # tensor parallel: name -> "replicated"/"column"/"row"/"vocabulary"/"affine"
     set_labels: dict = field(default_factory=dict)  # mp rank -> how the user knows that set ("stage 1, tensor rank 0")
     padded: dict = field(default_factory=dict)  # vocabulary tensors: name -> (shape, blocks) with the padding rows
+    sets: dict = field(default_factory=dict)  # mp rank -> its ZeroSet (a block's source is (mp, name in that set))
 
     _params: NameIndex = field(default_factory=NameIndex, init=False, repr=False, compare=False)
     _buffers: NameIndex = field(default_factory=NameIndex, init=False, repr=False, compare=False)
@@ -122,12 +123,36 @@ class ModelView:
         return [StoredRange(path, base + i * step, dtype, width)
                 for i in range(rows) for path, base, dtype, width, step in cols]
 
+    def state_group(self, name: str):
+        """What the optimizer group of parameter ``name`` keeps (see
+        :meth:`~ckptlib.deepspeed.zeroset.ZeroSet.state_group`), or None."""
+        owner, _ = self._owner(name)
+        if self._buffers.get(self.buffers, owner) is not None:
+            return None
+        source = self.blocks[owner][0].source
+        return self.sets[source[0]].state_group(source[1])
+
+    def state_keys(self, name: str) -> tuple:
+        """The per-element optimizer state keys of parameter ``name`` (those of the group that holds it)."""
+        owner, _ = self._owner(name)
+        if self._buffers.get(self.buffers, owner) is not None:
+            return ()
+        source = self.blocks[owner][0].source
+        return self.sets[source[0]].state_keys(source[1])
+
     def replica_checks(self, name: str, key: Optional[str] = None) -> list[tuple[str, list, list]]:
-        """``(what, ranges, replica ranges)`` for every block of ``name`` stored more than once: the
+        """``(what, ranges, replica ranges)`` for every block of ``name`` stored more than once (replicated
+        across tensor ranks or stages, or a whole-parameter state held by several data ranks of a set): the
         replicas must hold the same bytes (a plan compares them before writing)."""
         owner, _ = self._owner(name)
         out = []
         for b in self.blocks[owner]:
+            zs = self.sets.get(b.source[0]) if isinstance(b.source, tuple) else None
+            if zs is not None:
+                for what, first, rep in zs.state_replicas(b.source[1], key):
+                    label = self.label(b.source)
+                    out.append((f"{what} ({label})" if label and label != f"mp rank {b.source[0]}" else what,
+                                first, rep))
             if not b.replicas:
                 continue
             first = self.resolve(b.source, key)
@@ -175,7 +200,7 @@ def single_set_view(zs) -> ModelView:
     blocks = {p.name: [whole((zs.mp, p.name), tuple(p.shape))] for p in zs.parameters if not p.tied_to}
     blocks.update({b.name: [whole((zs.mp, b.name), tuple(b.shape))] for b in zs.buffers})
     return ModelView(parameters=list(zs.parameters), buffers=list(zs.buffers), order=zs.state_dict_names(),
-                     blocks=blocks, resolve=lambda source, key: zs.sources(source[1], key))
+                     blocks=blocks, resolve=lambda source, key: zs.sources(source[1], key), sets={zs.mp: zs})
 
 
 __all__ = ["ModelView", "Resolver", "whole", "single_set_view"]

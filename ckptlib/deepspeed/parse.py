@@ -21,6 +21,7 @@ from .moe import expert_file_problems, expert_file_tensors, is_moe, with_experts
 from .records import BF16_OPTIMIZER, NO_ZERO, ZERO, BufferInfo, OptimizerInfo, Records
 from .releases import find_quirks, refuse_old_layouts, written_by
 from .stage0 import build_stage0
+from .states import group_states, stage0_states
 from .values import as_int, as_str, get, plain
 
 
@@ -194,25 +195,25 @@ def _optimizer(rec: Records, model: dict) -> Optional[OptimizerInfo]:
         else:
             wrapper, base = "DeepSpeedZeroOptimizer", first.get("base_optimizer_state")
         scale = getattr(first.get("loss_scaler"), "cur_scale", None)
-    state, groups = {}, []
+    groups = []
     if isinstance(base, dict):
-        state = base.get("state") or {}
         groups = [{k: v for k, v in g.items() if k != "params"} for g in base.get("param_groups") or []]
-    elif isinstance(base, list):  # elastic ZeRO-1/2: one dict of stripped tensors per group
-        state = dict(enumerate(base))
-    keys, step = [], None
-    for s in state.values():
-        if isinstance(s, dict):
-            keys = [k for k in s if k != "step"]
-            step = s.get("step")
-            break
-    if step is None and first is not None:
+    if rec.flavor == NO_ZERO:
+        per_group, problems = (stage0_states(base) if isinstance(base, dict) else []), []
+    else:
+        per_group, problems = group_states(rec)
+    keys: list = []
+    for gs in per_group:
+        keys += [k for k in gs.key_names if k not in keys]
+    step = next((gs.step for gs in per_group if gs.step is not None), None)
+    if step is None and first is not None and not per_group:
         step = first.get("base_optimizer_state_step")
     if isinstance(step, TensorHandle):
         step = step.item() if step.numel == 1 else None
     return OptimizerInfo(wrapper=wrapper, state_keys=keys, step=int(step) if step is not None else None,
                          param_groups=[plain(g) for g in groups],
-                         loss_scale=float(scale) if isinstance(scale, (int, float)) else None)
+                         loss_scale=float(scale) if isinstance(scale, (int, float)) else None,
+                         groups=per_group, state_problems=problems)
 
 
 __all__ = ["parse"]

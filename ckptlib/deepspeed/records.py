@@ -65,13 +65,35 @@ class BufferInfo:
 
 @dataclass
 class OptimizerInfo:
-    """What the checkpoint says about the optimizer."""
+    """What the checkpoint says about the optimizer.
+
+    ``groups``: per flat group (ZeRO-1/2), sub-group (ZeRO-3) or torch param group (stage 0), what it keeps
+    (:class:`~ckptlib.kinds.optimizers.GroupStates`: its optimizer family, per-element keys with their layout
+    and dtype, its step); ``state_keys``: every group's keys, in the order first seen; ``step``: the step of the
+    first group that counts steps; ``state_problems``: keys whose stored sizes fit no layout
+    (:class:`~ckptlib.deepspeed.states.StateProblem`), which are not read.
+    """
 
     wrapper: str
     state_keys: list
     step: Optional[int]
     param_groups: list = field(default_factory=list)  # hyper-parameters per group, without 'params'
     loss_scale: Optional[float] = None
+    groups: list = field(default_factory=list)
+    state_problems: list = field(default_factory=list)
+
+    def group(self, g: Optional[int]):
+        """Group ``g``'s :class:`~ckptlib.kinds.optimizers.GroupStates`, or None."""
+        return self.groups[g] if g is not None and 0 <= g < len(self.groups) else None
+
+    def keys_of(self, g: Optional[int]) -> tuple:
+        """The per-element state keys group ``g`` keeps (every group's where the groups are not known)."""
+        gs = self.group(g)
+        return gs.key_names if gs is not None else (tuple(self.state_keys) if not self.groups else ())
+
+    def unplaceable(self, g: Optional[int], key: str) -> list:
+        """The problems that keep state ``key`` of group ``g`` from being read (its sizes fit no layout)."""
+        return [p for p in self.state_problems if p.group == g and p.key == key]
 
 
 @dataclass

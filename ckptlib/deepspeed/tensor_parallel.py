@@ -151,7 +151,7 @@ def tensor_parallel_view(sets: dict, rules: SplitRules) -> ModelView:
     by_mp = {zs.mp: zs for zs in sets.values()}
     return ModelView(parameters=params, buffers=buffers, order=first.state_dict_names(), blocks=blocks,
                      resolve=lambda source, key: by_mp[source[0]].sources(source[1], key), kind="tensor_parallel",
-                     notes=notes, roles=roles, padded=padded)
+                     notes=notes, roles=roles, padded=padded, sets=by_mp)
 
 
 def _join(name: str, sets: dict, tps: list, rules: SplitRules, first, buffer: bool = False, cut: bool = True):

@@ -15,6 +15,8 @@ from typing import Optional
 
 from ..errors import IncompleteCheckpointError, MissingEntryError, UnsupportedCheckpointError
 from ..io.torchzip import TensorHandle, TorchFile
+from ..kinds.optimizers import WHOLE_PARAMS, StateKey
+from .states import placed_key
 from ..layout.flat import Piece
 from ..layout.ranges import StoredRange, Zeros
 from ..mesh import Rank
@@ -98,22 +100,79 @@ class ZeroSet:
                         if n not in seen]
 
     # ================================================================== the partition API
-    def pieces(self, name: str) -> list[Piece]:
-        """Where the fp32 master of a trainable parameter lives (see :mod:`ckptlib.layout.flat`); ``Piece.rank``
-        is the data rank in this set."""
+    def pieces(self, name: str, key: Optional[str] = None) -> list[Piece]:
+        """Where the fp32 master of a trainable parameter lives (see :mod:`ckptlib.layout.flat`), or its optimizer
+        state ``key`` (the same pieces, but for a key kept per whole parameter: Muon's momentum at ZeRO-1/2,
+        which lies whole on the first rank that holds it); ``Piece.rank`` is the data rank in this set."""
         p = self.param(name)
         if p.tied_to:
-            return self.pieces(p.tied_to)
+            return self.pieces(p.tied_to, key)
         if not p.trainable or self.flavor == NO_ZERO:
             return []
+        whole = key not in (None, MODULE) and self.state_key(p, key).layout == WHOLE_PARAMS
         if self.zero_stage == 3:
             return self.layouts[0].pieces(name)
-        expert = self.records.index.experts.get(name)
-        if expert is not None:  # an expert: its ep rank's partitions lie on that rank's expert data group
-            g, e, local = expert
-            eg = self.records.expert_groups[g]
-            return [dataclasses.replace(pc, rank=eg.data_rank(e, pc.rank)) for pc in self.layouts[g].pieces(local)]
-        return self.layouts[p.group].pieces(name)
+        return self._placed(p, whole)[:1] if whole else self._placed(p, False)
+
+    def _placed(self, p: ParameterInfo, whole: bool) -> list[Piece]:
+        """``p``'s pieces in its flat group (``whole``: one piece per rank whose whole-parameter state holds it),
+        ranks as this set numbers them (an expert's partitions lie on its ep rank's expert data group)."""
+        expert = self.records.index.experts.get(p.name)
+        g, local = (expert[0], expert[2]) if expert is not None else (p.group, p.name)
+        lay = self.layouts[g]
+        pieces = ([Piece(rank=k, group=g, rank_start=at, param_start=0, count=p.numel)
+                   for k, at in lay.whole_param_places(local)] if whole else lay.pieces(local))
+        if expert is None:
+            return pieces
+        eg = self.records.expert_groups[g]
+        return [dataclasses.replace(pc, rank=eg.data_rank(expert[1], pc.rank)) for pc in pieces]
+
+    def state_group(self, name: str):
+        """What the optimizer group of trainable parameter ``name`` keeps (a
+        :class:`~ckptlib.kinds.optimizers.GroupStates`), or None (frozen, no optimizer, groups not known)."""
+        p = self.param(name)
+        if p.tied_to:
+            return self.state_group(p.tied_to)
+        if not p.trainable or self.optimizer is None:
+            return None
+        if self.flavor == NO_ZERO:
+            where = self.records.index.stage0.get(p.name)
+            return self.optimizer.group(where[0]) if where else None
+        return self.optimizer.group(p.group)
+
+    def state_keys(self, name: str) -> tuple:
+        """The per-element optimizer state keys parameter ``name`` has (those of its group); none for a frozen one."""
+        p = self.param(name)
+        if p.tied_to:
+            return self.state_keys(p.tied_to)
+        if not p.trainable or self.optimizer is None:
+            return ()
+        gs = self.state_group(name)
+        if gs is not None:
+            return gs.key_names
+        return () if self.optimizer.groups else tuple(self.optimizer.state_keys)
+
+    def state_key(self, p: ParameterInfo, key: str) -> StateKey:
+        """How state ``key`` of trainable parameter ``p`` is kept (:func:`~ckptlib.deepspeed.states.placed_key`)."""
+        return placed_key(self.optimizer, p.group, p.name, key, self.location.tag_dir)
+
+    def state_replicas(self, name: str, key: Optional[str]) -> list[tuple[str, list, list]]:
+        """``(what, ranges, replica ranges)`` for each further rank that holds the whole state ``key`` of
+        ``name`` (Muon's momentum of a matrix that straddles partitions, at ZeRO-1/2): the copies must be equal."""
+        if key in (None, MODULE) or self._params.get(self.parameters, name) is None:
+            return []
+        p = self.param(name)
+        if p.tied_to or not p.trainable or self.flavor == NO_ZERO or self.zero_stage == 3:
+            return []
+        try:
+            if self.state_key(p, key).layout != WHOLE_PARAMS:
+                return []
+        except (KeyError, UnsupportedCheckpointError):
+            return []
+        places = self._placed(p, True)
+        first = self.piece_ranges(places[:1], key)
+        return [(f"{name}/{key}: dp rank {places[0].rank} and dp rank {pc.rank}", first,
+                 self.piece_ranges([pc], key)) for pc in places[1:]]
 
     def optimizer_state_dict(self, rank: Rank) -> dict:
         """``rank``'s ``optimizer_state_dict`` as unpickled (tensors are handles)."""
@@ -194,7 +253,7 @@ class ZeroSet:
             return self._frozen_ranges(p)
         if self.flavor == NO_ZERO:
             return self._stage0_handle(p, key).ranges(0, p.numel)
-        return self.piece_ranges(self.pieces(name), key)
+        return self.piece_ranges(self.pieces(name, key), key)
 
     def piece_ranges(self, pieces: list, key: Optional[str] = None) -> list:
         """The stored ranges of layout ``pieces`` in the partition tensors of state ``key`` (None: the fp32

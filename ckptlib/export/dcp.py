@@ -6,11 +6,14 @@ names as the un-parallelised model has them):
 
 - the model: every parameter (tied aliases under each of their names, frozen ones too) and persistent
   buffer, floating ones in ``dtype`` (fp32: the fp32 masters of trainable parameters, bit for bit);
-- with ``optimizer``: per trainable parameter ``exp_avg``, ``exp_avg_sq`` (fp32) and ``step`` (a 0-dim
-  float32 tensor, as FSDP2 saves it), none for frozen parameters and one set per tied parameter (under
-  its first name); DeepSpeed's parameter groups as groups, each with its hyper-parameters and the FQNs
-  of its parameters (``set_state_dict`` matches groups by membership; merged, the load fails). Groups of
-  pipeline stages or tensor ranks with the same index and hyper-parameters are one group.
+- with ``optimizer``: per trainable parameter its group's per-element states under the names torch's optimizer
+  of the same kind uses (Adam's ``exp_avg``, ``exp_avg_sq``; SGD's and Muon's ``momentum_buffer``; Adagrad's
+  ``sum`` ...; fp32) and, where that optimizer counts steps, ``step`` (a 0-dim float32 tensor, as FSDP2 saves
+  it), none for frozen parameters and one set per tied parameter (under its first name); DeepSpeed's
+  parameter groups as groups, each with its hyper-parameters in torch's terms and the FQNs of its
+  parameters (``set_state_dict`` matches groups by membership; merged, the load fails). Groups of pipeline
+  stages or tensor ranks with the same index and hyper-parameters are one group. What torch cannot continue
+  (Adafactor, Lion, an unknown optimizer) is refused: :mod:`ckptlib.export.dcp_optim`.
 
 Layouts (the keys are those ``dcp.save`` writes for the client's state dict, flattened):
 
@@ -33,46 +36,28 @@ from __future__ import annotations
 
 import os
 import re
-import struct
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Optional
+from typing import ClassVar, Optional
 
 from ..deepspeed import Checkpoint, hf
 from ..deepspeed.exactness import value_proofs
-from ..deepspeed.records import NO_ZERO
 from ..dtypes import BY_SHORT, OUTPUT_DTYPES
 from ..errors import CkptError, IncompleteCheckpointError, UnsupportedCheckpointError
 from ..io.crc import entries_touching
 from ..io.dcp import SUFFIX, BytesEntry, Chunk, DcpMetadata, Item, TensorEntry, metadata_pickle, place
-from ..io.torchzip import TensorHandle
 from ..io.torchzip.specs import NewTensor
-from ..mesh import Rank
 from ..plan import PROCESSES, BlobFile, CopyFile, DistcpFile, Plan, RangeCheck
 from ..units import human_bytes
+from .dcp_optim import HINT, Value, group_values, initial_lr, optimizer_groups, state_values, steps
 from .weights import model_tensors
 
 LAYOUTS = ("torch", "torchtitan", "accelerate")
-ADAM_KEYS = ("lr", "betas", "eps", "weight_decay")
-STATE_KEYS = ("exp_avg", "exp_avg_sq")
 ACCELERATE_MODEL, ACCELERATE_OPTIMIZER = "pytorch_model_fsdp_0", "optimizer_0"
 #: training files Accelerate's save_state writes beside the FSDP folders, copied when found
 ACCELERATE_FILES = re.compile(r"^(scheduler|sampler|dl_state_dict|custom_checkpoint)(_\d+)?\.(bin|pkl)$|"
                               r"^scaler\.pt$|^random_states_\d+\.pkl$")
-
-
-@dataclass
-class Value:
-    """One flattened entry of a DCP folder: its key, the nested path it came from, and a planned
-    tensor (``source``/``key``: what it holds in the checkpoint) or a plain Python ``value``."""
-
-    fqn: str
-    path: tuple
-    tensor: Optional[NewTensor] = None
-    value: Any = None
-    source: Optional[str] = None
-    key: Optional[str] = None
 
 
 @dataclass(kw_only=True, repr=False)
@@ -150,110 +135,6 @@ class DcpPlan(Plan):
 
 
 # ============================================================================================ the content
-def _hp(v: Any, what: str) -> Any:
-    """A hyper-parameter as a plain value (a 0-dim tensor is read; betas as the tuple torch keeps)."""
-    if isinstance(v, TensorHandle):
-        if v.numel != 1:
-            raise UnsupportedCheckpointError(f"{what} is a tensor of {v.numel} elements")
-        return v.item()
-    if isinstance(v, list) and all(isinstance(x, (int, float)) for x in v):
-        return tuple(v)
-    if v is None or isinstance(v, (bool, int, float, str, tuple)):
-        return v
-    raise UnsupportedCheckpointError(f"{what} is a {type(v).__name__}, which DCP cannot carry as a plain value")
-
-
-def _base_groups(ck: Checkpoint, mp: int) -> list[dict]:
-    """The base optimizer's parameter groups of model-parallel rank ``mp``'s set, with ``params``."""
-    zs = ck.sets[mp]
-    if ck.flavor == NO_ZERO:
-        opt = zs.records.index.stage0_optimizer or {}
-        inner = opt.get("optimizer_state_dict", opt) if isinstance(opt, dict) else {}
-    else:
-        osd = ck.optimizer_state_dict(Rank(dp=0, pp=mp // ck.mesh.tp, tp=mp % ck.mesh.tp))  # mp = stage * tp + tp rank
-        inner = osd.get("optimizer_state_dict") if "optimizer_state_dict" in osd else osd.get("base_optimizer_state")
-    groups = (inner or {}).get("param_groups") or []
-    return [dict(g) for g in groups]
-
-
-def _owner_set(ck: Checkpoint, name: str) -> int:
-    if ck.view is None:
-        return min(ck.sets)
-    src = ck.view.blocks[name][0].source
-    return src[0] if isinstance(src, tuple) else min(ck.sets)
-
-
-def _group_of(ck: Checkpoint, p, groups: list[dict]) -> int:
-    """The index (in ``groups``) of the base optimizer group that steps parameter ``p``."""
-    if ck.flavor == NO_ZERO:
-        g = ck.sets[_owner_set(ck, p.name)].records.index.stage0.get(p.name)
-        if g is None:
-            raise UnsupportedCheckpointError(f"{p.name}: not found in the optimizer's parameter groups")
-        return g[0]
-    found = [i for i, grp in enumerate(groups) if p.group in (grp.get("params") or [])]
-    if len(found) != 1:
-        raise UnsupportedCheckpointError(f"{p.name}: its flat group {p.group} is in {len(found)} parameter groups")
-    return found[0]
-
-
-def _optimizer_groups(ck: Checkpoint, trainable: list) -> tuple[list[dict], dict]:
-    """``(groups, group of each trainable parameter)``: DeepSpeed's groups with their hyper-parameters
-    (without ``params``); equal groups of several stages or tensor ranks are one."""
-    per_set = {mp: _base_groups(ck, mp) for mp in sorted(ck.sets)}
-    found = {}
-    for p in trainable:
-        mp = _owner_set(ck, p.name)
-        g = _group_of(ck, p, per_set[mp])
-        hps = {k: _hp(v, f"{p.name}: hyper-parameter {k!r}") for k, v in per_set[mp][g].items() if k != "params"}
-        missing = [k for k in ADAM_KEYS if k not in hps]
-        if missing:
-            raise UnsupportedCheckpointError(
-                f"the optimizer's parameter groups are not torch Adam/AdamW groups (no {', '.join(missing)}; "
-                f"they hold {', '.join(sorted(hps))}): ckptlib cannot say which torch optimizer continues them",
-                path=ck.location.tag_dir, hint="export the model only (without --optimizer)")
-        found[p.name] = ((g, repr(sorted(hps.items()))), hps)
-    idents = sorted({ident for ident, _ in found.values()})  # DeepSpeed's group order
-    out = [next(h for i, h in found.values() if i == ident) for ident in idents]
-    member = {name: idents.index(ident) for name, (ident, _) in found.items()}
-    return out, member
-
-
-def _initial_lr(groups: list[dict], run: dict) -> list[str]:
-    """torch's LR schedulers keep each group's base lr as ``initial_lr``, and a loader whose optimizer has a
-    scheduler (torchtitan always builds one) expects it in the checkpoint. DeepSpeed's groups have it when
-    the run used a torch scheduler; a run without any scheduler never changed its lr, so the base lr is
-    the lr. With a DeepSpeed scheduler and no ``initial_lr`` it is not known: left out, said in a note."""
-    if all("initial_lr" in g for g in groups):
-        return []
-    if run.get("lr_scheduler") is not None:
-        return ["the parameter groups have no initial_lr (DeepSpeed's own scheduler ran): an optimizer with a torch "
-                "LR scheduler will not find it; build the scheduler after loading"]
-    for g in groups:
-        g.setdefault("initial_lr", g["lr"])
-    return ["initial_lr (what torch LR schedulers keep) is each group's lr: the run had no LR scheduler"]
-
-
-def _steps(ck: Checkpoint) -> int:
-    """The optimizer step of every group and rank (they must agree), read from the files."""
-    from ..analysis.health import read_steps
-    from ..analysis.healthrules import step_items
-    from ..io.sources import SourceFiles
-
-    step = ck.optimizer.step if ck.optimizer else None
-    with SourceFiles() as files:
-        values = read_steps(step_items(ck), files)
-    found = set(values.values()) | ({float(step)} if step is not None else set())
-    if not found:
-        raise UnsupportedCheckpointError("the optimizer state holds no step", path=ck.location.tag_dir,
-                                         hint="export the model only (without --optimizer)")
-    if len(found) != 1:
-        raise UnsupportedCheckpointError(
-            f"the optimizer steps differ between ranks or groups ({', '.join(str(int(s)) for s in sorted(found))}): "
-            "FSDP2 keeps one per parameter, and ckptlib does not pick one", path=ck.location.tag_dir,
-            hint="`ckpt check` names the ranks and groups")
-    return int(found.pop())
-
-
 def _model_values(ck: Checkpoint, out_dtype: str, prefix: tuple) -> list[Value]:
     def sources(name: str) -> list:
         try:
@@ -268,34 +149,6 @@ def _model_values(ck: Checkpoint, out_dtype: str, prefix: tuple) -> list[Value]:
 
     return [Value(".".join(prefix + (t.name,)), prefix + (t.name,), NewTensor(t.dtype, t.shape, t.ranges),
                   source=t.source) for t in model_tensors(ck, out_dtype, sources=sources)]
-
-
-def _state_values(ck: Checkpoint, trainable: list, step: int, prefix: tuple) -> list[Value]:
-    out = []
-    raw = struct.pack("<f", float(step))
-    for p in trainable:
-        for key in STATE_KEYS:
-            path = prefix + ("state", p.name, key)
-            out.append(Value(".".join(map(str, path)), path,
-                             NewTensor("float32", tuple(p.shape), tuple(ck.sources(p.name, key))), source=p.name, key=key))
-        path = prefix + ("state", p.name, "step")
-        out.append(Value(".".join(map(str, path)), path, NewTensor("float32", (), data=raw), source=p.name, key="step"))
-    return out
-
-
-def _group_values(groups: list[dict], members: dict, per_parameter: bool, prefix: tuple) -> list[Value]:
-    out = []
-    if per_parameter:  # torchtitan: param_groups.<fqn>.<hp>
-        for name, g in members.items():
-            for k, v in groups[g].items():
-                out.append(Value(".".join(prefix + ("param_groups", name, k)), prefix + (f"param_groups.{name}.{k}",),
-                                 value=v))
-        return out
-    for i, hps in enumerate(groups):
-        for k, v in list(hps.items()) + [("params", [n for n, g in members.items() if g == i])]:
-            path = prefix + ("param_groups", i, k)
-            out.append(Value(".".join(map(str, path)), path, value=v))
-    return out
 
 
 def _titan(values: list[Value]) -> list[Value]:
@@ -392,18 +245,22 @@ def plan_dcp(ck: Checkpoint, out: Path, *, layout: str = "torch", optimizer: boo
     step = None
     opt: list[Value] = []
     if optimizer:
-        keys = set(ck.optimizer.state_keys) if ck.optimizer else set()
-        if keys != set(STATE_KEYS):
-            raise UnsupportedCheckpointError(
-                f"the optimizer state holds {', '.join(sorted(keys)) or 'nothing'}, not Adam's exp_avg and exp_avg_sq",
-                path=ck.location.tag_dir, hint="export the model only (without --optimizer)")
-        step = _steps(ck)
-        groups, members = _optimizer_groups(ck, trainable)
-        notes += _initial_lr(groups, _training_state(ck))
-        opt = _state_values(ck, trainable, step, ("optimizer",))
-        opt += _group_values(groups, members, layout == "torchtitan", ("optimizer",))
+        if ck.optimizer is None or not ck.optimizer.state_keys:
+            raise UnsupportedCheckpointError("the checkpoint holds no per-element optimizer state",
+                                             path=ck.location.tag_dir, hint=HINT)
+        groups, members, classes = optimizer_groups(ck, trainable)  # refuses what torch cannot continue
+        step = steps(ck)
+        notes += initial_lr(groups, _training_state(ck))
+        opt = state_values(ck, trainable, step, ("optimizer",))
+        opt += group_values(groups, members, layout == "torchtitan", ("optimizer",))
+        used = list(dict.fromkeys(classes))
+        if len(used) > 1:
+            notes.append(f"the optimizer state is that of {len(used)} torch optimizers ({', '.join(used)}): load "
+                         f"it with get_state_dict(model, [{', '.join(c.lower() for c in used)}]) / set_state_dict, "
+                         "the optimizers in that order, each with its groups in the order of the checkpoint's "
+                         "param_groups")
         if dtype != "fp32":
-            notes.append(f"the weights are {dtype} while the optimizer state is fp32: FSDP2's AdamW steps fp32 "
+            notes.append(f"the weights are {dtype} while the optimizer state is fp32: FSDP2's optimizers step fp32 "
                          "parameters; load this into a model in that dtype only to run it")
     run = _training_state(ck)
     notes += _unmapped_notes(ck, layout, run, optimizer)

@@ -15,6 +15,7 @@ from ..deepspeed.exactness import require_exact, value_proofs
 from ..dtypes import BY_SHORT, OUTPUT_DTYPES
 from ..errors import CkptError
 from ..io.crc import entries_touching
+from ..kinds.optimizers import describe as describe_families
 from ..io.streaming import DEFAULT_CHUNK_BYTES
 from ..plan import CopyFile, PlannedTensor, RangeCheck, TextFile
 from ..system.gcpause import gc_paused
@@ -42,8 +43,10 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
             integer and bool buffers keep their dtype.
         max_shard_size: shard limit, e.g. ``"5GB"`` (decimal units) or bytes.
         exclude_frozen: leave out frozen parameters (and aliases of them).
-        states: optimizer state keys to export too, e.g. ``("exp_avg", "exp_avg_sq")``; each goes
-            to its own sub-folder ``out/<key>/`` in the same layout (fp32, trainable parameters).
+        states: optimizer state keys to export too, e.g. ``("exp_avg", "exp_avg_sq")``, or ``("all",)`` for
+            every per-element key the optimizer keeps; each goes to its own sub-folder ``out/<key>/`` in the same
+            layout (fp32), holding the trainable parameters whose group keeps it (a Muon run: ``momentum_buffer``
+            for the matrices, Adam's keys for the rest). The step is a scalar: it is written in the metadata.
         workers: processes to write with (each receives the pickled plan).
         chunk_bytes: streaming chunk size; the memory bound follows from it.
         tp_rules: how a tensor-parallel checkpoint saved without ``universal_checkpoint_info`` joins its
@@ -98,15 +101,13 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
                             f"master for them): exported from the {ck.dtype} module weights")
     out_dtype = BY_SHORT[dtype].name
     sets = [("", model_tensors(ck, out_dtype, exclude_frozen))]
-    known = set(ck.optimizer.state_keys) if ck.optimizer else set()
     step = ck.optimizer.step if ck.optimizer else None
+    states = requested_states(ck, states)
     for key in states:
-        if key not in known:
-            raise CkptError(f"the optimizer state has no '{key}' (it has: {', '.join(sorted(known)) or 'none'})",
-                            path=ck.location.tag_dir)
         sets.append((key + "/", [PlannedTensor(p.name, p.name, key, "state", tuple(p.shape), "float32",
                                                tuple(ck.sources(p.name, key)))
-                                 for p in ck.parameters if p.trainable and not p.tied_to]))
+                                 for p in ck.parameters if p.trainable and not p.tied_to
+                                 and key in ck.state_keys(p.name)]))
     files, finals, index_files = weights_files(sets, format, limit, step)
     checks = [RangeCheck(what, tuple(a), tuple(b), a[0].dtype if a else "float32")  # compared as stored
               for f in files for t in f.tensors for what, a, b in ck.replica_checks(t.source, t.key)
@@ -123,6 +124,33 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
                       overwrite=overwrite, sync=sync,
                       notes=warnings + [n for n in ck.view.notes if ck.kind != "data_parallel"] + side_notes,
                       checks=checks, crc=crc)
+
+
+def requested_states(ck: Checkpoint, states: Sequence[str]) -> list[str]:
+    """The per-element state keys ``states`` asks for (``"all"``: every key any group keeps), each checked.
+
+    Raises:
+        CkptError: a key no group keeps, or ``step`` (a scalar, not a per-element state)."""
+    opt = ck.optimizer
+    known = list(opt.state_keys) if opt else []
+    out: list[str] = []
+    for key in states:
+        if key == "all":
+            out += [k for k in known if k not in out]
+            continue
+        if key == "step":
+            raise CkptError(f"the step ({opt.step if opt else None}) is a scalar, not a per-element state: "
+                            "--states takes the keys kept per element (" + (", ".join(known) or "none") + "); the "
+                            "step is written in the output's metadata", path=ck.location.tag_dir,
+                            hint="--states all exports every per-element key")
+        if key not in known:
+            groups = opt.groups if opt else []
+            raise CkptError(f"the optimizer state has no '{key}' (it has: {', '.join(known) or 'none'}"
+                            + (f"; {describe_families(groups)}" if groups else "") + ")", path=ck.location.tag_dir,
+                            hint="--states all exports every per-element key")
+        if key not in out:
+            out.append(key)
+    return out
 
 
 def _limit(max_shard_size: Union[int, str]) -> int:
@@ -167,4 +195,4 @@ def _side_files(ck: Checkpoint, out_dtype: str) -> tuple[list, list[str]]:
     return out, [f"copied for from_pretrained{where}: {', '.join(names)}"]
 
 
-__all__ = ["ExportPlan", "plan_export", "FORMATS"]
+__all__ = ["ExportPlan", "plan_export", "requested_states", "FORMATS"]

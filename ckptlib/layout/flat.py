@@ -208,6 +208,64 @@ class FlatGroupLayout:
         (DeepSpeed's ``param_slice_mappings``)."""
         return {s.name: (s.rank_start, s.count) for s in self.segments(rank) if not s.is_padding}
 
+    # ---------------------------------------------------------------- whole parameters per partition
+    @cached_property
+    def _offsets(self) -> list:
+        return [s.offset for s in self.slots]
+
+    @cached_property
+    def _numel_before(self) -> list:
+        out, n = [0], 0
+        for s in self.slots:
+            n += s.numel
+            out.append(n)
+        return out
+
+    def _partition_slot_range(self, rank: int) -> tuple[int, int]:
+        """``[first, end)`` slot indices of the parameters DeepSpeed counts as in ``rank``'s partition
+        (``get_partition_info``): those that start in it, and the one that runs into it from before."""
+        start, end = self.rank_range(rank)
+        lo = bisect.bisect_left(self._offsets, start)
+        hi = bisect.bisect_left(self._offsets, end, lo)
+        if lo > 0:
+            s = self.slots[lo - 1]
+            if s.offset < start < s.offset + s.numel:
+                lo -= 1
+        return lo, hi
+
+    def partition_params(self, rank: int) -> list[ParamSlot]:
+        """The parameters DeepSpeed counts as in ``rank``'s partition, in flat order: those that start in it,
+        and the one that runs into it from the partition before (``get_partition_info``)."""
+        lo, hi = self._partition_slot_range(rank)
+        return list(self.slots[lo:hi])
+
+    def whole_params_length(self, rank: int) -> int:
+        """Elements of the whole parameters of :meth:`partition_params` (the length of a state kept per whole
+        parameter, such as Muon's momentum at ZeRO-1/2)."""
+        lo, hi = self._partition_slot_range(rank)
+        return self._numel_before[hi] - self._numel_before[lo]
+
+    def whole_param_places(self, name: str) -> list[tuple[int, int]]:
+        """``(rank, offset)`` of every partition whose whole-parameter state holds parameter ``name``, and where
+        (elements before it in that rank's state), in rank order: the partition it starts in, then those it
+        runs into."""
+        s = self.slot(name)
+        p = self.partition_size
+        if p == 0:
+            return []
+        first = s.offset // p
+        last = (s.offset + s.numel - 1) // p if s.numel else first
+        index = self._by_index[name]
+        out = []
+        for rank in range(first, min(last, self.world_size - 1) + 1):
+            lo, _ = self._partition_slot_range(rank)
+            out.append((rank, self._numel_before[index] - self._numel_before[lo]))
+        return out
+
+    @cached_property
+    def _by_index(self) -> dict:
+        return {s.name: i for i, s in enumerate(self.slots)}
+
 
 # ----------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)

@@ -100,6 +100,9 @@ class MeshZero12Writer(Zero12Writer):
             out += slice_ranges(ranges, seg.param_start, seg.count, starts)
         return out
 
+    def param_ranges(self, g: int, rank: int, name: str, key: str) -> list:
+        return self.shards.of(self._by_name[name], key)
+
     def feeds(self, rank: int) -> list:
         """The source files this target rank's optimizer file reads (by name, for the plan's table)."""
         return []

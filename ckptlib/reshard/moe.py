@@ -107,6 +107,10 @@ class MoEWriter(Zero12Writer):
             out += slice_ranges(self._full[k], seg.param_start, seg.count)
         return out
 
+    def param_ranges(self, g: int, rank: int, name: str, key: str) -> list:
+        return self.ck.sources(global_name(name, rank % self.ep, self.num_local) if g in self.expert_groups
+                               else name, key)
+
     def feeds(self, rank: int) -> list:
         return []
 

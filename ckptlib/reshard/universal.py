@@ -22,9 +22,10 @@ Output folder ``OUT`` (a new folder; it appears atomically, the source is only r
                                             ZeRO-3: the N source model-states files, copied
         zero/optimizer_state.pt             the optimizer's global state (see below)
         zero/<param>/fp32.pt                {'cat_dim': 0, 'param': fp32 master, full shape}
-        zero/<param>/<key>.pt               the same for every per-element optimizer state
-                                            (exp_avg, exp_avg_sq, or whatever keys the optimizer has)
-        zero/<param>/step.pt                the optimizer step of the parameter's group (raw tensor)
+        zero/<param>/<key>.pt               the same for every per-element optimizer state its group
+                                            keeps (exp_avg, exp_avg_sq; momentum_buffer, sum, ...)
+        zero/<param>/step.pt                the optimizer step of the parameter's group (as saved: a
+                                            tensor or an int), where the group counts steps
         zero/<frozen>/fp32.pt               {'param': value as fp32} (as ds_to_universal) for frozen
                                             parameters whose data was saved
 
@@ -73,8 +74,9 @@ Choices, where ``ds_to_universal`` (0.19.8) differs:
 Known DeepSpeed 0.19.8 loader limitations no file content can avoid: the ZeRO-3 loader puts ONE step
 tensor into every sub-group's Adam state, so each training step advances it once per sub-group
 (sub-group 0 steps right, the others with a step count that is too high); frozen parameters and
-buffers are not restored by any universal load; the ZeRO-3 loader only knows ``exp_avg`` and
-``exp_avg_sq``; a ZeRO-3 engine asked for ``load_optimizer_states=False`` first runs zero_to_fp32 on the
+buffers are not restored by any universal load. What the loaders cannot hold is refused before writing
+(:func:`refuse_for_universal`): Muon's whole-matrix momentum at ZeRO-1/2, any ZeRO-3 state but Adam's
+``exp_avg`` and ``exp_avg_sq`` (and a ZeRO-3 sub-group 0 without a step). A ZeRO-3 engine asked for ``load_optimizer_states=False`` first runs zero_to_fp32 on the
 load folder through ``latest`` (also in universal mode), which fails for a folder holding only the
 universal checkpoint (ds_to_universal's output, next to the original, works after reading the whole
 original); a ZeRO-1/2 engine with ``round_robin_gradients`` links every parameter to its fp32
@@ -92,10 +94,11 @@ from typing import Any, ClassVar, Optional, Union
 from ..deepspeed import NO_ZERO, Checkpoint, open_checkpoint
 from ..deepspeed import files as fnames
 from ..deepspeed.exactness import replica_checks, require_exact
+from ..deepspeed.states import state_of
 from ..errors import IncompleteCheckpointError, UnsupportedCheckpointError
-from ..io.rawfile import RawTensor
 from ..io.streaming import DEFAULT_CHUNK_BYTES
 from ..io.torchzip import TensorHandle
+from ..kinds.optimizers import WHOLE_PARAMS
 from ..mesh import Rank
 from ..plan import CopyFile, Plan, TextFile
 from ..units import human_bytes
@@ -187,26 +190,8 @@ class _Source:
                     path=ck.location.tag_dir)
             self.state = base["state"]
             self.group_numel = {g: lay.partition_size for g, lay in enumerate(ck.layouts)}
-        self.keys: dict[int, list[str]] = {}
-        other = set()
-        for g, numel in self.group_numel.items():
-            keys = []
-            swapped = ck.records.index.swapped.get((0, g)) or {}  # NVMe offload: kept in swap files
-            for key, v in (self.state.get(g) or {}).items():
-                if key == "step":
-                    continue
-                v = swapped.get(key, v)
-                if isinstance(v, (TensorHandle, RawTensor)) and len(v.shape) == 1 and v.numel == numel:
-                    keys.append(key)
-                else:
-                    other.add(key)
-            self.keys[g] = keys
-        if other:
-            self.notes.append(f"optimizer state entries that are not per-element ({', '.join(sorted(other))}) "
-                              "have no place in a universal checkpoint and are not carried over")
-        if ck.zero_stage == 3 and any(set(k) - {"exp_avg", "exp_avg_sq"} for k in self.keys.values()):
-            self.notes.append("DeepSpeed's ZeRO-3 universal loader only reads exp_avg and exp_avg_sq; the other "
-                              "state files are written but will not be loaded")
+        refuse_for_universal(ck)
+        self.keys: dict[int, list[str]] = {g.group: list(g.key_names) for g in ck.optimizer.groups}
 
     def step(self, group: int) -> Any:
         return (self.state.get(group) or {}).get("step")
@@ -241,6 +226,59 @@ class _Source:
         out["optimizer_state_dict"] = replace(inner, state=state, param_groups=groups)
         out["param_groups"] = inner["param_groups"]
         return out
+
+
+#: the per-element keys DeepSpeed 0.19.8's ZeRO-3 universal loader restores (``load_hp_checkpoint_state_from_
+#: checkpoint_dir_stage3``: fp32, exp_avg, exp_avg_sq), with the step of sub-group 0's state
+ZERO3_LOADER_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def refuse_for_universal(ck: Checkpoint) -> None:
+    """Refuse, before anything is written, an optimizer state that DeepSpeed 0.19.8's universal loaders cannot
+    restore exactly, naming the group, the key and why (:mod:`ckptlib.kinds.optimizers` says what each group
+    keeps):
+
+    - an optimizer ckptlib does not know, or a state entry no layout places (it would be dropped);
+    - ZeRO-1/2: a key kept per whole parameter (Muon's momentum). The loader (``load_hp_checkpoint_state`` then
+      ``map_to_flat_opt_states``) gives every state key the layout of the fp32 partition, each parameter's
+      partition-local slice, where Muon keeps the whole momentum of every matrix its partition touches;
+    - ZeRO-3: any key but ``exp_avg`` and ``exp_avg_sq``, or a sub-group 0 without a step: that loader restores
+      those two keys only, and takes the step from sub-group 0's state (``KeyError: 'step'`` without one).
+    """
+    where = ck.location.tag_dir
+    hint = ("`ckpt reshard CKPT OUT --world-size N` writes native files for another size, which DeepSpeed loads "
+            "without universal mode, every state exact")
+    for zs in ck.sets.values():
+        opt = zs.optimizer
+        for gs in opt.groups if opt else []:
+            if gs.family.name == "unknown" and gs.keys:
+                raise UnsupportedCheckpointError(
+                    f"{gs.label} keeps {', '.join(gs.key_names)}: ckptlib does not know this optimizer, so it cannot "
+                    "tell whether DeepSpeed's universal loader restores its state exactly", path=where, hint=hint)
+            for key in gs.keys:
+                if ck.zero_stage in (1, 2) and key.layout == WHOLE_PARAMS:
+                    raise UnsupportedCheckpointError(
+                        f"{gs.label} keeps '{key.name}' whole for every matrix a rank's partition touches (Muon at "
+                        f"ZeRO-{ck.zero_stage}); DeepSpeed 0.19.8's universal loader gives every state key the layout "
+                        "of the fp32 partition (each parameter's partition-local slice, map_to_flat_opt_states), so "
+                        "it cannot hold this momentum: a universal folder would resume Muon from a buffer of the "
+                        "wrong layout", path=where, hint=hint)
+            if ck.zero_stage == 3 and gs.key_names and set(gs.key_names) != set(ZERO3_LOADER_KEYS):
+                raise UnsupportedCheckpointError(
+                    f"{gs.label} keeps {', '.join(gs.key_names)}; DeepSpeed 0.19.8's ZeRO-3 universal loader restores "
+                    "only exp_avg and exp_avg_sq (and the fp32 masters), so this state would not be loaded",
+                    path=where, hint=hint)
+        if ck.zero_stage == 3 and opt and opt.groups and opt.groups[0].step is None:
+            raise UnsupportedCheckpointError(
+                f"{opt.groups[0].label} counts no step; DeepSpeed 0.19.8's ZeRO-3 universal loader takes the step "
+                "from sub-group 0's state and fails without one (KeyError: 'step')", path=where, hint=hint)
+        for rank, osd in zs.records.index.optim.items():
+            for gs in opt.groups if opt else []:
+                extra = [k for k in (state_of(zs.records, osd, gs.group) or {}) if k != "step" and k not in gs.key_names]
+                if extra:
+                    raise UnsupportedCheckpointError(
+                        f"{gs.label} holds {', '.join(map(repr, extra))} on {rank}, which a universal checkpoint has "
+                        "no place for: it would be dropped", path=where, hint=hint)
 
 
 def _notes(ck: Checkpoint, tied: list, skipped_frozen: list) -> list[str]:

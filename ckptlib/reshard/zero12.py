@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import collections
-from typing import Any
+from typing import Any, Optional
 
 from ..deepspeed import BF16_OPTIMIZER, ZeroSet
 from ..deepspeed import files as fnames
 from ..errors import UnsupportedCheckpointError
 from ..io.torchzip import FragmentAddress, TensorHandle
 from ..io.torchzip.standins import TorchSize
+from ..kinds.optimizers import WHOLE_PARAMS
 from ..layout.flat import FlatGroupLayout, Piece, reslice_by_params, reslice_flat, round_robin_order
 from .trees import optim_prefix, replace, streamed, to_ranges
 
@@ -25,7 +26,6 @@ class Zero12Writer:
         self.bf16 = template.flavor == BF16_OPTIMIZER
         self._optim0 = template.optim_states_file(template.rank(0)).obj  # every target optimizer file is made from it
         self._prefix = optim_prefix(template)
-        self._template_sizes = [lay.partition_size for lay in template.layouts]
 
     def partition_ranges(self, g: int, rank: int, padded: bool, key) -> list:
         """The stored ranges (and zeros) of target ``rank``'s partition of group ``g`` for state ``key``
@@ -52,6 +52,44 @@ class Zero12Writer:
         """Entries of parameter group ``g``'s hyper-parameters that the target changes (none here)."""
         return {}
 
+    def param_ranges(self, g: int, rank: int, name: str, key: str) -> list:
+        """The stored ranges of the whole state ``key`` of parameter ``name`` of group ``g`` as target ``rank`` holds
+        it (for a key kept per whole parameter, :data:`~ckptlib.kinds.optimizers.WHOLE_PARAMS`)."""
+        raise NotImplementedError
+
+    def group_state(self, g: int, rank: int, saved: Optional[dict]) -> Optional[dict]:
+        """Target ``rank``'s state of group ``g``, made from the template's (``saved``, rank 0's; None where that
+        rank keeps none): every per-element key the group keeps (:mod:`ckptlib.kinds.optimizers`) re-cut for the
+        target partition, PARTITIONED keys padded to it, WHOLE_PARAMS keys (Muon's momentum) as the whole state of
+        each parameter the target partition touches; the step and other scalars as they are.
+
+        Raises:
+            UnsupportedCheckpointError: a tensor in the state that no key of the group places."""
+        gs = self.template.optimizer.group(g)
+        keys = {k.name: k for k in gs.keys} if gs is not None else {}
+        new = type(saved)() if saved is not None else {}
+        for key, v in (saved or {}).items():
+            if key in keys:
+                continue
+            if isinstance(v, TensorHandle) and v.numel > 1:
+                raise UnsupportedCheckpointError(
+                    f"group {g}'s optimizer state holds '{key}' ({v.numel} elements), which no layout places: it "
+                    "cannot be re-cut for another size", path=self.template.location.tag_dir)
+            new[key] = v  # step and other scalars: the same on every rank
+        for key, sk in keys.items():
+            rg = bool(getattr((saved or {}).get(key), "requires_grad", False))
+            if sk.layout == WHOLE_PARAMS:
+                ranges = [r for slot in self.dst[g].partition_params(self.placement(g, rank)[1])
+                          for r in self.param_ranges(g, rank, slot.name, key)]
+                if not ranges:
+                    continue  # a partition that touches none of the group's parameters keeps no such state
+            else:
+                ranges = self.partition_ranges(g, rank, True, key)
+            new[key] = streamed(sk.dtype, ranges, requires_grad=rg)
+        if saved is None and not new:
+            return None
+        return new
+
     def optim_states(self, rank: int) -> tuple[str, Any]:
         """``(file name, object tree)`` of target ``rank``'s optimizer-states file."""
         m = self.m
@@ -63,15 +101,10 @@ class Zero12Writer:
             fp32.append(streamed("float32", self.partition_ranges(g, rank, self.bf16, None), requires_grad=rg))
         base = osd0["base_optimizer_state"]
         state = type(base["state"])()
-        for g, st in base["state"].items():
-            new = type(st)()
-            for key, v in st.items():
-                if isinstance(v, TensorHandle) and v.numel == self._template_sizes[g] and v.numel > 1:
-                    new[key] = streamed(v.dtype_name, self.partition_ranges(g, rank, True, key),
-                                        requires_grad=v.requires_grad)
-                else:
-                    new[key] = v  # step and other scalars: the same on every rank
-            state[g] = new
+        for g in range(len(self.dst)):
+            new = self.group_state(g, rank, base["state"].get(g))
+            if new is not None:
+                state[g] = new
         counts = osd0.get("partition_count")
         places = [self.placement(g, rank) for g in range(len(self.dst))]
         mappings = [collections.OrderedDict((n, FragmentAddress(numel=cnt, start=start))
@@ -133,6 +166,9 @@ class Zero12Resharder(Zero12Writer):
 
     def partition_ranges(self, g: int, rank: int, padded: bool, key) -> list:
         return to_ranges(self.ck, self._reslice(g, rank, padded), key)
+
+    def param_ranges(self, g: int, rank: int, name: str, key: str) -> list:
+        return self.ck.sources(name, key)
 
     def _check_source(self) -> None:
         """What only a reshard needs of the source (the identity of every rank file, its paddings and, without

@@ -25,7 +25,6 @@ class Zero3Writer:
         self.template, self.dst, self.dst_group_subs, self.m, self.mp = template, dst, dst_group_subs, world_size, mp
         self._optim0 = template.optim_states_file(template.rank(0)).obj  # every target optimizer file is made from it
         self._prefix = optim_prefix(template)
-        self._template_sizes = template.layouts[0].sub_group_sizes
 
     def sub_group_ranges(self, k: int, rank: int, key) -> list:
         """The stored ranges (and zeros) of target ``rank``'s flat tensor of sub-group ``k``, state ``key``
@@ -56,14 +55,19 @@ class Zero3Writer:
         for g, group in enumerate(inner["param_groups"]):
             first_src = group["params"][0]
             template = inner["state"].get(first_src, {})
+            gs = t.optimizer.group(first_src)
+            keys = {k.name: k for k in gs.keys} if gs is not None else {}
             for k in self.dst_group_subs[g]:
                 new = type(template)()
                 for key, v in template.items():
                     v = self.saved_state(first_src, key, v)
-                    if isinstance(v, (TensorHandle, RawTensor)) and v.numel == self._template_sizes[first_src] \
-                            and v.numel > 1:
-                        new[key] = streamed(v.dtype_name, self.sub_group_ranges(k, rank, key),
+                    if key in keys:  # a per-element key of the group's optimizer (ckptlib.kinds.optimizers)
+                        new[key] = streamed(keys[key].dtype, self.sub_group_ranges(k, rank, key),
                                             requires_grad=v.requires_grad)
+                    elif isinstance(v, (TensorHandle, RawTensor)) and v.numel > 1:
+                        raise UnsupportedCheckpointError(
+                            f"sub-group {first_src}'s optimizer state holds '{key}' ({v.numel} elements), which no "
+                            "layout places: it cannot be re-cut for another size", path=t.location.tag_dir)
                     else:  # step and other scalars; each sub-group keeps a tensor of its own, as DeepSpeed saves it
                         new[key] = copied(v) if isinstance(v, TensorHandle) else v
                 state[k] = new
