@@ -21,11 +21,11 @@ from typing import Any, Optional, Union
 
 from ..deepspeed import Checkpoint, open_checkpoint
 from ..errors import UnsupportedCheckpointError
+from ..kinds.optimizers import WHOLE_PARAMS
 from ..layout.ranges import range_starts, slice_ranges
 from ..units import human_bytes
 
 CHUNK_ELEMENTS = 4 << 20
-STATES = ("exp_avg", "exp_avg_sq")
 MAX_LISTED = 8
 
 
@@ -145,6 +145,26 @@ def _live_layout(opt, names: dict) -> tuple[list, list]:
                                           ".read_param(name)")
 
 
+def _whole_runs(ck: Checkpoint, opt, names: dict, j: int) -> dict:
+    """``{key: {name: run}}`` for the state keys of flat group ``j`` that the checkpoint keeps per whole
+    parameter (Muon's momentum at ZeRO-1/2): the live engine keeps, for its partition, the whole state of every
+    parameter the partition touches (``params_in_partition``), one after the other."""
+    if type(opt).__name__ != "DeepSpeedZeroOptimizer":
+        return {}
+    pin = opt.params_in_partition[j]
+    first = next((names[p] for p in pin if names.get(p) is not None), None)
+    gs = ck.state_group(first) if first is not None and first in {p.name for p in ck.parameters} else None
+    keys = [k.name for k in gs.keys if k.layout == WHOLE_PARAMS] if gs is not None else []
+    out: dict = {}
+    for key in keys:
+        runs, off = {}, 0
+        for p in pin:
+            runs[names[p]] = _Run(names[p], j, off, 0, p.numel())
+            off += p.numel()
+        out[key] = runs
+    return out
+
+
 class _Swapped:
     """A sub-group the live engine keeps on NVMe (ZeRO-Infinity), swapped in with DeepSpeed's own swapper
     (``optimizer_swapper``) while it is read, and released afterwards."""
@@ -206,8 +226,9 @@ def _live_step(opt, flat) -> Optional[int]:
 
 def verify_loaded(engine: Any, checkpoint: Union[Checkpoint, str, os.PathLike], *, tag: Optional[str] = None,
                   states: bool = True, buffers: bool = True, gather: bool = True) -> LoadVerification:
-    """Compare ``engine``'s fp32 masters, Adam moments (``states``), step and persistent buffers
-    (``buffers``) with ``checkpoint``, bit for bit. Call it on every rank after ``engine.load_checkpoint``.
+    """Compare ``engine``'s fp32 masters, optimizer states (``states``: every per-element key each parameter's
+    group keeps, Muon's whole-matrix momentum included), step and persistent buffers (``buffers``) with
+    ``checkpoint``, bit for bit. Call it on every rank after ``engine.load_checkpoint``.
 
     Each rank compares the elements its own partitions hold (the engine's layout at its world size), read
     from the checkpoint piece by piece; with ``gather`` and ``torch.distributed`` initialised the ranks'
@@ -255,12 +276,20 @@ def verify_loaded(engine: Any, checkpoint: Union[Checkpoint, str, os.PathLike], 
             flat = flats[j]
             state = opt.optimizer.state.get(flat, {}) if hasattr(opt, "optimizer") else {}
             live_steps.add(_live_step(opt, flat))
+            whole = _whole_runs(ck, opt, names, j) if states else {}
             for run in flat_runs:
                 if run.name in missing:
                     continue
                 out.tensors += 1
-                for key in (None, *(STATES if states else ())):
+                for key in (None, *(ck.state_keys(run.name) if states else ())):
                     live = flat if key is None else state.get(key)
+                    if key in whole:  # kept per whole parameter (Muon at ZeRO-1/2): its place in the live buffer
+                        if live is None or run.name not in whole[key]:
+                            continue  # the rank that holds it compares it
+                        m = _compare_run(ck, whole[key][run.name], live, key, src(run.name, key), out)
+                        if m is not None:
+                            out.mismatches.append(m)
+                        continue
                     if live is None:
                         out.mismatches.append(Mismatch(run.name, key, f"the engine has no {key} for it on rank "
                                                        f"{out.rank} (optimizer state not loaded?)"))

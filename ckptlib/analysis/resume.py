@@ -197,7 +197,7 @@ def _stage_and_dtype(ck: Checkpoint, t: Target) -> list[Finding]:
             msg = "AttributeError: 'NoneType' object has no attribute 'copy'"
         out.append(Finding(REFUSED, f"saved at ZeRO-{saved}, loaded at ZeRO-{t.zero_stage}; no ckpt command changes "
                            "the stage (DeepSpeed's universal loader refuses a stage change too: AssertionError), so "
-                           "resume at the saved stage, or start a new run from `ckpt export --states exp_avg,exp_avg_sq`",
+                           "resume at the saved stage, or start a new run from `ckpt export --states all`",
                            deepspeed=msg))
     prefix = next((f.prefix for f in ck.files if f.kind == fnames.OPTIM_STATES), None)
     if prefix is not None and saved == t.zero_stage and (prefix == "bf16_") != (t.dtype == "bf16"):

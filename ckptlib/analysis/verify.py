@@ -267,15 +267,20 @@ def _verify_reshard(plan, src: Checkpoint, out: Path, cmp: Comparer, share: Shar
         bad = [p.name for p in trainable if differ(p.name, "float32")]
         checks.append(_tally("every fp32 master equals the source's, bit for bit", len(trainable), bad))
         for key in keys:
-            bad = [p.name for p in trainable if differ(p.name, "float32", key)]
-            checks.append(_tally(f"every {key} equals the source's, bit for bit", len(trainable), bad))
+            holders = [p for p in trainable if key in src.state_keys(p.name)]
+            bad = [p.name for p in holders if differ(p.name, "float32", key) or key not in new.state_keys(p.name)
+                   or (share.mine() and any(not cmp.equal(src.view.sources(p.name, key, padded=True), copy, "float32")
+                                            for _, _, copy in new.replica_checks(p.name, key)))]
+            checks.append(_tally(f"every {key} (and every further copy of it) equals the source's, bit for bit",
+                                 len(holders), bad))
         others = [p for p in src.parameters if not p.trainable and not p.tied_to and p.name in src.records.index.frozen]
         bad = [p.name for p in others if differ(p.name, src.frozen_chunks(p.name)[0].dtype_name)]
         bad += [b.name for b in src.buffers if differ(b.name, b.dtype)]
         checks.append(_tally("frozen parameters and buffers equal the source's", len(others) + len(src.buffers), bad))
-        step_a = src.optimizer.step if src.optimizer else None
-        step_b = new.optimizer.step if new.optimizer else None
-        checks.append(Check("the optimizer step is the source's", step_a == step_b, f"step {step_b}"))
+        step_a = [(g.family.name, g.step) for g in src.optimizer.groups] if src.optimizer else []
+        step_b = [(g.family.name, g.step) for g in new.optimizer.groups] if new.optimizer else []
+        checks.append(Check("every group's optimizer and step are the source's", step_a == step_b,
+                            ", ".join(f"{f} step {s}" for f, s in step_b) or "no optimizer state"))
     return checks
 
 
@@ -297,12 +302,13 @@ def _verify_universal(plan, src: Checkpoint, out: Path, cmp: Comparer, share: Sh
             continue
         folder, entry, entries = experts.get(p.name) or (p.name, None, None)
         shape = tuple(p.shape) if entry is None else (entries, *p.shape)
-        for key in [None] + keys:
+        for key in [None] + [k for k in keys if k in src.state_keys(p.name)]:  # every key its group keeps
             path = out / plan.universal_tag / "zero" / folder / f"{key or 'fp32'}.pt"
-            if key is not None and not path.is_file():
-                continue  # a state the universal layout does not carry (see the plan's notes)
             total += 1
             if not share.mine():
+                continue
+            if not path.is_file():
+                bad.append(f"{p.name}/{key or 'fp32'}")
                 continue
             with open_torch_file(path) as tf:
                 obj = tf.obj["param"] if isinstance(tf.obj, dict) else tf.obj

@@ -16,7 +16,8 @@ def add_dcp_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layout", choices=["torch", "torchtitan", "accelerate"], default=None, help=LAYOUT_HELP +
                    " (default torch)")
     p.add_argument("--optimizer", action="store_true",
-                   help="with --format dcp: the optimizer state too (fp32 masters, exp_avg, exp_avg_sq, step, the "
+                   help="with --format dcp: the optimizer state too (fp32 masters, each group's state under the keys "
+                        "of the torch optimizer of its kind: AdamW, Muon, SGD, Adagrad, RMSprop; the step; the "
                         "parameter groups' hyper-parameters); --states does the same")
 
 

@@ -236,7 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not copy config.json (with the exported dtype), generation_config.json, tokenizer "
                         "files, chat templates and remote code from beside the checkpoint")
     p.add_argument("--exclude-frozen", action="store_true", help="leave out frozen parameters")
-    p.add_argument("--states", help="optimizer states to export too, comma separated, e.g. exp_avg,exp_avg_sq")
+    p.add_argument("--states", help="optimizer states to export too, comma separated (e.g. exp_avg,exp_avg_sq or "
+                                    "momentum_buffer), or 'all' for every per-element key the optimizer keeps "
+                                    "(`ckpt inspect` lists them per group)")
     add_dcp_arguments(p)
     p.add_argument("--workers", type=int, default=1, help="processes to write with")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
@@ -304,10 +306,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_reshard)
 
     p = add_parser("check", help="statistics of every fp32 master (and optimizer state) and what is wrong "
-                       "(NaN/Inf, negative exp_avg_sq, 16-bit weights, steps, padding); exit 1 on a problem")
+                       "(NaN/Inf, a second moment below zero, 16-bit weights, steps, padding); exit 1 on a problem")
     p.add_argument("path", help="the checkpoint (as for inspect)")
     p.add_argument("--tag", help="tag to check (default: the one 'latest' names)")
-    p.add_argument("--states", action="store_true", help="also every optimizer state (exp_avg, exp_avg_sq, ...)")
+    p.add_argument("--states", action="store_true", help="also every optimizer state (Adam's exp_avg and exp_avg_sq, "
+                                                            "Muon's or SGD's momentum_buffer, ...)")
     p.add_argument("--json", action="store_true", help="print JSON: tensors, problems, bytes_read")
     p.add_argument("--tp-rules", metavar="FILE", help=TP_RULES_HELP)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")

@@ -19,7 +19,6 @@ from ..layout.placement import Block, row_major_strides, runs
 from ..layout.ranges import range_starts, slice_ranges
 
 ACCELERATE_FOLDERS = ("pytorch_model_fsdp_0", "optimizer_0")
-STATE_NAMES = ("exp_avg", "exp_avg_sq", "step", "momentum_buffer")
 
 
 @dataclass

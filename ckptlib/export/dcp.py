@@ -69,7 +69,9 @@ class DcpPlan(Plan):
         optimizer: whether the optimizer state is in it.
         folders_written: the DCP folders (``""`` for ``out`` itself) and their :class:`DcpMetadata`.
         values: per folder, the flattened entries in order (:class:`Value`).
-        step: the optimizer step written for every parameter.
+        step: the optimizer step written for every parameter (None where no optimizer counts steps).
+        torch_optimizers: the ``torch.optim`` class of each parameter group written, in order (``["Muon",
+            "AdamW", "AdamW"]`` for a Muon run; see :mod:`ckptlib.export.dcp_optim`).
     """
 
     action: ClassVar[str] = "export"
@@ -81,6 +83,7 @@ class DcpPlan(Plan):
     dcp: dict = field(default_factory=dict)       # folder -> DcpMetadata
     values: dict = field(default_factory=dict)    # folder -> [Value]
     step: Optional[int] = None
+    torch_optimizers: list = field(default_factory=list)
     parallel: str = PROCESSES
 
     @property
@@ -107,7 +110,8 @@ class DcpPlan(Plan):
         return {
             "source": self.source.tag_dir, "out": str(self.out), "format": "dcp", "layout": self.layout,
             "dtype": self.dtype, "optimizer": self.optimizer, "max_shard_size": self.max_shard_size,
-            "step": self.step, "workers": self.workers, "sync": self.sync,
+            "step": self.step, "torch_optimizers": list(self.torch_optimizers), "workers": self.workers,
+            "sync": self.sync,
             "folders": {k or ".": {"tensors": len(md.tensors), "values": len(md.values)} for k, md in self.dcp.items()},
             "files": [{"name": f.name, "bytes": f.size} for f in self.files],
             "read_bytes": self.read_bytes, "write_bytes": self.write_bytes, "file_bytes": self.file_bytes,
@@ -242,7 +246,7 @@ def plan_dcp(ck: Checkpoint, out: Path, *, layout: str = "torch", optimizer: boo
     if exclude_frozen:
         raise CkptError("a DCP export holds the whole model (FSDP2 loads every parameter): drop --exclude-frozen")
     model = _model_values(ck, out_dtype, ("model",) if layout != "torchtitan" else ())
-    step = None
+    step, classes = None, []
     opt: list[Value] = []
     if optimizer:
         if ck.optimizer is None or not ck.optimizer.state_keys:
@@ -298,7 +302,8 @@ def plan_dcp(ck: Checkpoint, out: Path, *, layout: str = "torch", optimizer: boo
         if verify_crc else []
     return DcpPlan(source=ck.source_ref(), out=out, files=files, folders=[f for f in folders if f],
                    layout=layout, dtype=dtype, optimizer=optimizer, max_shard_size=max_shard_size, dcp=dcp,
-                   values=folders, step=step, chunk_bytes=chunk_bytes, workers=workers, overwrite=overwrite,
+                   values=folders, step=step, torch_optimizers=classes, chunk_bytes=chunk_bytes, workers=workers,
+                   overwrite=overwrite,
                    sync=sync, notes=notes + [n for n in ck.view.notes if ck.kind != "data_parallel"],
                    checks=checks, crc=crc)
 

@@ -9,6 +9,7 @@ from typing import ClassVar, Optional, Union
 from ..deepspeed import BF16_OPTIMIZER, NO_ZERO, Checkpoint, SplitRules, load_rules, open_checkpoint
 from ..deepspeed import files as fnames
 from ..deepspeed.exactness import replica_checks, require_exact
+from ..kinds.optimizers import UNKNOWN
 from ..errors import CkptError, UnsupportedCheckpointError
 from ..mesh import Mesh
 from ..io.streaming import DEFAULT_CHUNK_BYTES
@@ -142,6 +143,7 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
     """
     ck = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, tag=tag, tp_rules=tp_rules)
     require_exact(ck)  # the validation export and the universal checkpoint run too
+    refuse_unplaced_states(ck)
     world_size = ck.mesh.dp if world_size is None else world_size
     for what, size in (("data-parallel", world_size), ("tensor-parallel", tp), ("pipeline", pp), ("expert-parallel", ep)):
         if size is not None and size < 1:
@@ -217,6 +219,26 @@ def every_entry(ck: Checkpoint) -> list:
     return [e for entries in ck.zip_entries(every=True).values() for e in entries]
 
 
+def refuse_unplaced_states(ck: Checkpoint) -> None:
+    """Refuse an optimizer state a reshard cannot re-cut exactly: an optimizer ckptlib does not know (its state
+    might not be per element: a blockwise-quantised one would be scattered), or a state key whose stored sizes fit
+    no layout (:mod:`ckptlib.kinds.optimizers`), naming the group and the key."""
+    for zs in ck.sets.values():
+        opt = zs.optimizer
+        for gs in opt.groups if opt else []:
+            if gs.family is UNKNOWN and gs.keys:
+                raise UnsupportedCheckpointError(
+                    f"{gs.label} keeps {', '.join(gs.key_names)}: ckptlib does not know this optimizer, so it cannot "
+                    "prove that re-cutting its state element by element is exact", path=ck.location.tag_dir,
+                    hint="`ckpt export --states all` writes each per-element state as stored; please report the "
+                         "optimizer")
+        if opt and opt.state_problems:
+            raise UnsupportedCheckpointError(
+                "optimizer state that cannot be placed: " + "; ".join(map(str, opt.state_problems)),
+                path=ck.location.tag_dir, hint="the files are damaged, or this optimizer's layout is not known to "
+                                               "ckptlib; `ckpt check --states` names them")
+
+
 def refuse_unsupported(ck: Checkpoint) -> None:
     """Checkpoints a reshard (direct or universal) does not apply to, or cannot rewrite yet, each with the reason
     (mixture-of-experts checkpoints: :mod:`ckptlib.reshard.moe` and :mod:`ckptlib.reshard.moe_universal`)."""
@@ -232,4 +254,5 @@ def refuse_unsupported(ck: Checkpoint) -> None:
             hint="`ckpt export` writes its full model; train with ZeRO-1 to make checkpoints that reshard")
 
 
-__all__ = ["ReshardPlan", "plan_reshard", "default_workers", "refuse_unsupported", "every_entry"]
+__all__ = ["ReshardPlan", "plan_reshard", "default_workers", "refuse_unsupported", "refuse_unplaced_states",
+           "every_entry"]

@@ -103,7 +103,7 @@ from ..mesh import Rank
 from ..plan import CopyFile, Plan, TextFile
 from ..units import human_bytes
 from .moe_universal import EXPORT_HINT, expert_folders, moe_notes, renamed_groups, stacked_entries, target_ep
-from .plan import default_workers, every_entry, refuse_unsupported
+from .plan import default_workers, every_entry, refuse_unplaced_states, refuse_unsupported
 from .trees import client_files, copied, replace, streamed, tree_file
 
 UNIVERSAL_SUFFIX = "_universal"
@@ -238,7 +238,8 @@ def refuse_for_universal(ck: Checkpoint) -> None:
     restore exactly, naming the group, the key and why (:mod:`ckptlib.kinds.optimizers` says what each group
     keeps):
 
-    - an optimizer ckptlib does not know, or a state entry no layout places (it would be dropped);
+    - a state entry no layout places (it would be dropped; unknown optimizers and unplaceable keys are refused
+      by :func:`~ckptlib.reshard.plan.refuse_unplaced_states` first);
     - ZeRO-1/2: a key kept per whole parameter (Muon's momentum). The loader (``load_hp_checkpoint_state`` then
       ``map_to_flat_opt_states``) gives every state key the layout of the fp32 partition, each parameter's
       partition-local slice, where Muon keeps the whole momentum of every matrix its partition touches;
@@ -251,10 +252,6 @@ def refuse_for_universal(ck: Checkpoint) -> None:
     for zs in ck.sets.values():
         opt = zs.optimizer
         for gs in opt.groups if opt else []:
-            if gs.family.name == "unknown" and gs.keys:
-                raise UnsupportedCheckpointError(
-                    f"{gs.label} keeps {', '.join(gs.key_names)}: ckptlib does not know this optimizer, so it cannot "
-                    "tell whether DeepSpeed's universal loader restores its state exactly", path=where, hint=hint)
             for key in gs.keys:
                 if ck.zero_stage in (1, 2) and key.layout == WHOLE_PARAMS:
                     raise UnsupportedCheckpointError(
@@ -362,6 +359,7 @@ def plan_universal(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[s
     """
     ck = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, tag=tag, tp_rules=tp_rules)
     require_exact(ck)  # the validation export and reshard run too
+    refuse_unplaced_states(ck)
     if ck.flavor == NO_ZERO:
         raise UnsupportedCheckpointError(
             "this checkpoint has no ZeRO partitioning (stage 0): DeepSpeed's universal loader only works with "

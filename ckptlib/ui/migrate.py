@@ -3,17 +3,18 @@
 :func:`stand_in_model` builds an ``nn.Module`` with exactly the checkpoint's parameter and buffer names
 and shapes (tied aliases tied, frozen parameters frozen): a placeholder for the user's own model class,
 which is what a real migration loads into. :func:`load_into_fsdp2` does what a training script does:
-``fully_shard``, ``torch.optim.AdamW`` over the groups the export wrote (its hyper-parameters are
-replaced by the loaded ones anyway), ``get_state_dict`` -> ``dcp.load`` -> ``set_state_dict``.
-:func:`compare_with_checkpoint` then reads each fp32 master and moment back from the DeepSpeed checkpoint
-and compares them with what the model and optimizer hold, bit for bit.
+``fully_shard``, the torch optimizers over the groups the export wrote (``torch.optim.Muon`` and ``AdamW`` for a
+Muon run, ``SGD``, ``Adagrad``, ``RMSprop``, ``AdamW``; their hyper-parameters are replaced by the loaded ones
+anyway), ``get_state_dict`` -> ``dcp.load`` -> ``set_state_dict``. :func:`compare_with_checkpoint` then reads
+each fp32 master and optimizer state back from the DeepSpeed checkpoint and compares them with what the model
+and optimizers hold, bit for bit.
 
 Memory: the model and its optimizer state (this runs the model, unlike the rest of ckptlib).
 """
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Optional
 
 
 def process_group_of_one() -> None:
@@ -57,9 +58,11 @@ def stand_in_model(ckpt) -> Any:
     return root
 
 
-def load_into_fsdp2(model, dcp_dir: os.PathLike, groups: list) -> tuple:
-    """Shard ``model`` with FSDP2, build AdamW over ``groups`` (lists of parameter names), load the DCP
-    folder ``dcp_dir`` (torch layout) into both; returns ``(model, optimizer)``."""
+def load_into_fsdp2(model, dcp_dir: os.PathLike, groups: list, classes: Optional[list] = None) -> tuple:
+    """Shard ``model`` with FSDP2, build the torch optimizers over ``groups`` (lists of parameter names;
+    ``classes``: each group's ``torch.optim`` class name, as :attr:`~ckptlib.export.dcp.DcpPlan.torch_optimizers`
+    says, default AdamW for all: one optimizer per class, in the order the classes first appear, as a training
+    script builds them), load the DCP folder ``dcp_dir`` (torch layout) into both; returns ``(model, optimizers)``."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -68,21 +71,27 @@ def load_into_fsdp2(model, dcp_dir: os.PathLike, groups: list) -> tuple:
     process_group_of_one()
     fully_shard(model)
     named = dict(model.named_parameters())
-    optim = torch.optim.AdamW([{"params": [named[n] for n in names]} for names in groups])
-    msd, osd = get_state_dict(model, optim)
+    classes = list(classes or ["AdamW"] * len(groups))
+    optims = []
+    for cls in dict.fromkeys(classes):  # each optimizer's hyper-parameters are replaced by the loaded ones
+        mine = [{"params": [named[n] for n in names]} for names, c in zip(groups, classes) if c == cls]
+        optims.append(getattr(torch.optim, cls)(mine))
+    msd, osd = get_state_dict(model, optims)
     sd = {"model": msd, "optimizer": osd}
     dcp.load(sd, checkpoint_id=os.fspath(dcp_dir))
-    set_state_dict(model, optim, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
-    return model, optim
+    set_state_dict(model, optims, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
+    return model, optims
 
 
-def compare_with_checkpoint(ckpt, model, optim) -> dict:
-    """``{"masters": (equal, total), "exp_avg": ..., "exp_avg_sq": ..., "step": set of steps}``: what the
-    FSDP2 model and optimizer hold against the checkpoint's values, read afresh, bit for bit."""
+def compare_with_checkpoint(ckpt, model, optimizers) -> dict:
+    """``{"masters": (equal, total), <state key>: (equal, total), ..., "step": set of steps}``: what the FSDP2
+    model and its optimizers hold against the checkpoint's values, read afresh, bit for bit (each state under the
+    name torch's optimizer of its kind gives it: DeepSpeed's CPU Adagrad ``exp_avg_sq`` is torch's ``sum``)."""
     import torch
 
+    optimizers = optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]
     params = dict(model.named_parameters())
-    out = {"masters": [0, 0], "exp_avg": [0, 0], "exp_avg_sq": [0, 0], "step": set()}
+    out: dict = {"masters": [0, 0], "step": set()}
     for p in ckpt.parameters:
         if not p.trainable or p.tied_to:
             continue
@@ -90,12 +99,16 @@ def compare_with_checkpoint(ckpt, model, optim) -> dict:
         full = live.full_tensor() if hasattr(live, "full_tensor") else live
         out["masters"][0] += bool(torch.equal(full.detach(), ckpt.read_param(p.name)))
         out["masters"][1] += 1
-        st = optim.state[live]
-        for key in ("exp_avg", "exp_avg_sq"):
-            v = st[key].full_tensor() if hasattr(st[key], "full_tensor") else st[key]
-            out[key][0] += bool(torch.equal(v, ckpt.read_state(p.name, key)))
-            out[key][1] += 1
-        out["step"].add(float(st["step"]))
+        st = next((o.state[live] for o in optimizers if live in o.state), {})
+        gs = ckpt.state_group(p.name)
+        for key in gs.key_names if gs is not None else ():
+            v = st.get(gs.family.torch_key(key))
+            v = v.full_tensor() if hasattr(v, "full_tensor") else v
+            tally = out.setdefault(key, [0, 0])
+            tally[0] += bool(v is not None and torch.equal(v.float(), ckpt.read_state(p.name, key)))
+            tally[1] += 1
+        if "step" in st:
+            out["step"].add(float(st["step"]))
     return {k: tuple(v) if isinstance(v, list) else v for k, v in out.items()}
 
 
