@@ -50,7 +50,8 @@ from ..io.dcp import SUFFIX, BytesEntry, Chunk, DcpMetadata, Item, TensorEntry, 
 from ..io.torchzip.specs import NewTensor
 from ..plan import PROCESSES, BlobFile, CopyFile, DistcpFile, Plan, RangeCheck
 from ..units import human_bytes
-from .dcp_optim import HINT, Value, group_values, initial_lr, optimizer_groups, state_values, steps
+from .dcp_optim import (HINT, Value, group_values, initial_lr, optimizer_groups, state_values, steps,
+                        torch_settings)
 from .weights import model_tensors
 
 LAYOUTS = ("torch", "torchtitan", "accelerate")
@@ -71,7 +72,8 @@ class DcpPlan(Plan):
         values: per folder, the flattened entries in order (:class:`Value`).
         step: the optimizer step written for every parameter (None where no optimizer counts steps).
         torch_optimizers: the ``torch.optim`` class of each parameter group written, in order (``["Muon",
-            "AdamW", "AdamW"]`` for a Muon run; see :mod:`ckptlib.export.dcp_optim`).
+            "AdamW", "AdamW"]`` for a Muon run; see :mod:`ckptlib.export.dcp_optim`); ``torch_settings``: per group,
+            the hyper-parameters to build it with so that it keeps the same state keys (``{"momentum": 0.9}``).
     """
 
     action: ClassVar[str] = "export"
@@ -84,6 +86,7 @@ class DcpPlan(Plan):
     values: dict = field(default_factory=dict)    # folder -> [Value]
     step: Optional[int] = None
     torch_optimizers: list = field(default_factory=list)
+    torch_settings: list = field(default_factory=list)
     parallel: str = PROCESSES
 
     @property
@@ -110,7 +113,8 @@ class DcpPlan(Plan):
         return {
             "source": self.source.tag_dir, "out": str(self.out), "format": "dcp", "layout": self.layout,
             "dtype": self.dtype, "optimizer": self.optimizer, "max_shard_size": self.max_shard_size,
-            "step": self.step, "torch_optimizers": list(self.torch_optimizers), "workers": self.workers,
+            "step": self.step, "torch_optimizers": list(self.torch_optimizers),
+            "torch_settings": list(self.torch_settings), "workers": self.workers,
             "sync": self.sync,
             "folders": {k or ".": {"tensors": len(md.tensors), "values": len(md.values)} for k, md in self.dcp.items()},
             "files": [{"name": f.name, "bytes": f.size} for f in self.files],
@@ -246,13 +250,16 @@ def plan_dcp(ck: Checkpoint, out: Path, *, layout: str = "torch", optimizer: boo
     if exclude_frozen:
         raise CkptError("a DCP export holds the whole model (FSDP2 loads every parameter): drop --exclude-frozen")
     model = _model_values(ck, out_dtype, ("model",) if layout != "torchtitan" else ())
-    step, classes = None, []
+    step, classes, settings = None, [], []
     opt: list[Value] = []
     if optimizer:
         if ck.optimizer is None or not ck.optimizer.state_keys:
             raise UnsupportedCheckpointError("the checkpoint holds no per-element optimizer state",
                                              path=ck.location.tag_dir, hint=HINT)
-        groups, members, classes = optimizer_groups(ck, trainable)  # refuses what torch cannot continue
+        groups, members, families = optimizer_groups(ck, trainable)  # refuses what torch cannot continue
+        classes = [f.torch for f in families]
+        settings, setting_notes = torch_settings(groups, families)
+        notes += setting_notes
         step = steps(ck)
         notes += initial_lr(groups, _training_state(ck))
         opt = state_values(ck, trainable, step, ("optimizer",))
@@ -302,7 +309,8 @@ def plan_dcp(ck: Checkpoint, out: Path, *, layout: str = "torch", optimizer: boo
         if verify_crc else []
     return DcpPlan(source=ck.source_ref(), out=out, files=files, folders=[f for f in folders if f],
                    layout=layout, dtype=dtype, optimizer=optimizer, max_shard_size=max_shard_size, dcp=dcp,
-                   values=folders, step=step, torch_optimizers=classes, chunk_bytes=chunk_bytes, workers=workers,
+                   values=folders, step=step, torch_optimizers=classes, torch_settings=settings,
+                   chunk_bytes=chunk_bytes, workers=workers,
                    overwrite=overwrite,
                    sync=sync, notes=notes + [n for n in ck.view.notes if ck.kind != "data_parallel"],
                    checks=checks, crc=crc)

@@ -139,7 +139,7 @@ def _torch_group(ck: Checkpoint, fam, hps: dict, name: str) -> dict:
 
 
 def optimizer_groups(ck: Checkpoint, trainable: list) -> tuple[list[dict], dict, list]:
-    """``(groups, group of each trainable parameter, torch class of each group)``: DeepSpeed's groups with their
+    """``(groups, group of each trainable parameter, torch family of each group)``: DeepSpeed's groups with their
     hyper-parameters in torch's terms (without ``params``), equal groups of several stages or tensor ranks as one,
     ordered by torch class (in the order the classes first appear), then in DeepSpeed's order."""
     per_set = {mp: _base_groups(ck, mp) for mp in sorted(ck.sets)}
@@ -151,13 +151,31 @@ def optimizer_groups(ck: Checkpoint, trainable: list) -> tuple[list[dict], dict,
         hps = {k: hyper_value(v, f"{p.name}: hyper-parameter {k!r}") for k, v in per_set[mp][g].items()
                if k != "params"}
         hps = _torch_group(ck, fam, hps, p.name)
-        found[p.name] = ((g, fam.torch, repr(sorted(hps.items()))), hps)
-    idents = sorted({ident for ident, _ in found.values()})  # DeepSpeed's group order
+        found[p.name] = ((g, fam.torch, repr(sorted(hps.items()))), hps, fam)
+    idents = sorted({ident for ident, _, _ in found.values()})  # DeepSpeed's group order
     classes = list(dict.fromkeys(ident[1] for ident in idents))
     idents.sort(key=lambda ident: classes.index(ident[1]))  # stable: DeepSpeed's order within each class
-    out = [next(h for i, h in found.values() if i == ident) for ident in idents]
-    member = {name: idents.index(ident) for name, (ident, _) in found.items()}
-    return out, member, [ident[1] for ident in idents]
+    out = [next(h for i, h, _ in found.values() if i == ident) for ident in idents]
+    member = {name: idents.index(ident) for name, (ident, _, _) in found.items()}
+    return out, member, [next(f for i, _, f in found.values() if i == ident) for ident in idents]
+
+
+def torch_settings(groups: list[dict], families: list) -> tuple[list[dict], list[str]]:
+    """Per group, the hyper-parameters that decide which state keys its torch optimizer keeps (SGD's ``momentum``,
+    RMSprop's ``momentum`` and ``centered``, AdamW's ``amsgrad``), and the notes that tell a loading script to build
+    its optimizers with them: a DCP load fills only the state an optimizer already keeps."""
+    settings = [{k: g[k] for k in fam.torch_state_hyper if k in g} for g, fam in zip(groups, families)]
+    notes = []
+    for cls in dict.fromkeys(f.torch for f in families):
+        mine = [s for s, f in zip(settings, families) if f.torch == cls]
+        if any(mine):
+            said = ", ".join(dict.fromkeys(", ".join(f"{k}={v!r}" for k, v in s.items()) for s in mine))
+            notes.append(f"build torch's {cls} with {said} as the run's groups have them: a DCP load fills only the "
+                         f"state an optimizer already keeps, and {cls} keeps "
+                         + ("momentum_buffer only with momentum above zero" if cls == "SGD" else
+                            "momentum_buffer only with momentum above zero and grad_avg only when centered"
+                            if cls == "RMSprop" else "max_exp_avg_sq only with amsgrad"))
+    return settings, notes
 
 
 def initial_lr(groups: list[dict], run: dict) -> list[str]:
@@ -236,4 +254,5 @@ def group_values(groups: list[dict], members: dict, per_parameter: bool, prefix:
     return out
 
 
-__all__ = ["Value", "hyper_value", "optimizer_groups", "initial_lr", "steps", "state_values", "group_values"]
+__all__ = ["Value", "hyper_value", "optimizer_groups", "torch_settings", "initial_lr", "steps", "state_values",
+           "group_values"]

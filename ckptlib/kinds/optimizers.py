@@ -45,7 +45,12 @@ class Family:
             ``torch_keys``: ``(key here, torch's key)`` where the names differ; ``torch_hyper``: the
             hyper-parameters torch 2.13's class keeps in each param group (a DCP load needs every one);
             ``torch_fills``: ``(hyper-parameter, value)`` for those a DeepSpeed-built group does not record,
-            as DeepSpeed's implementation fixes them (a group's own value always wins).
+            as DeepSpeed's implementation fixes them (a group's own value always wins); ``torch_state_hyper``: the
+            hyper-parameters that decide which state keys torch's class keeps (SGD keeps ``momentum_buffer`` only
+            with ``momentum`` above zero): a DCP load fills only the state an optimizer already has, so a loading
+            script must build it with the run's values.
+        reshard_note: what a reshard to another data-parallel size cannot keep although every value is exact
+            (empty where nothing).
         not_torch: why its state cannot be carried to a torch optimizer (where ``torch`` is None, or where
             torch keeps another form).
         whole_params_at_zero12: at ZeRO-1/2 its keys are :data:`WHOLE_PARAMS` (Muon).
@@ -64,7 +69,9 @@ class Family:
     torch_keys: tuple = ()
     torch_hyper: tuple = ()
     torch_fills: tuple = ()
+    torch_state_hyper: tuple = ()
     not_torch: str = ""
+    reshard_note: str = ""
     whole_params_at_zero12: bool = False
     unused: tuple = ()
 
@@ -97,7 +104,8 @@ ADAM = Family("adam", "Adam/AdamW", ("exp_avg", "exp_avg_sq"), optional=("max_ex
               nonnegative=frozenset({"exp_avg_sq", "max_exp_avg_sq"}), marks=("eps",), torch="AdamW",
               torch_hyper=("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach", "capturable",
                            "differentiable", "fused", "decoupled_weight_decay"),
-              torch_fills=_TORCH_SWITCHES + (("amsgrad", False), ("capturable", False), ("fused", None)))
+              torch_fills=_TORCH_SWITCHES + (("amsgrad", False), ("capturable", False), ("fused", None)),
+              torch_state_hyper=("amsgrad",))
 MUON = Family("muon", "Muon", ("momentum_buffer",), steps=False, marks=("use_muon",), torch="Muon",
               whole_params_at_zero12=True,
               torch_hyper=("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps",
@@ -109,7 +117,7 @@ MUON = Family("muon", "Muon", ("momentum_buffer",), steps=False, marks=("use_muo
 SGD = Family("sgd", "SGD with momentum", ("momentum_buffer",), steps=False, marks=("dampening", "nesterov"),
              torch="SGD", torch_hyper=("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize",
                                        "foreach", "differentiable", "fused"),
-             torch_fills=_TORCH_SWITCHES + (("fused", None),))
+             torch_fills=_TORCH_SWITCHES + (("fused", None),), torch_state_hyper=("momentum",))
 ADAGRAD = Family("adagrad", "Adagrad", ("sum",), nonnegative=frozenset({"sum"}),
                  marks=("lr_decay", "initial_accumulator_value"), torch="Adagrad",
                  torch_hyper=("lr", "lr_decay", "eps", "weight_decay", "initial_accumulator_value", "foreach",
@@ -124,14 +132,19 @@ RMSPROP = Family("rmsprop", "RMSprop", ("square_avg",), optional=("momentum_buff
                  nonnegative=frozenset({"square_avg"}), marks=("alpha", "centered"), torch="RMSprop",
                  torch_hyper=("lr", "momentum", "alpha", "eps", "centered", "weight_decay", "capturable", "foreach",
                               "maximize", "differentiable"),
-                 torch_fills=_TORCH_SWITCHES + (("capturable", False),))
+                 torch_fills=_TORCH_SWITCHES + (("capturable", False),), torch_state_hyper=("momentum", "centered"))
 ADAFACTOR = Family("adafactor", "Adafactor", ("variance",), nonnegative=frozenset({"variance"}),
                    marks=("beta2_decay",),
                    not_torch="torch's Adafactor keeps a matrix's second moment factored (row_var and col_var), "
                              "where the ZeRO partitions hold a full 'variance' per element, which cannot be "
                              "factored back exactly; and torch 2.13's Adafactor cannot step a matrix under "
                              "fully_shard (aten.pow_.Scalar: in-place operations that require placement changes "
-                             "are not supported)")
+                             "are not supported)",
+                   reshard_note="DeepSpeed's ZeRO Adafactor scales each update by norms taken over a rank's whole "
+                                "flat partition (torch's Adafactor on the 1-D partition: param.norm() and "
+                                "update.norm()), so its steps depend on how the parameters are partitioned: at "
+                                "another data-parallel size the state is exact but the run takes other steps than "
+                                "it would have at the saved size")
 LION = Family("lion", "Lion", ("exp_avg",), optional=("exp_avg_sq",), unused=("exp_avg_sq",),
               marks=("betas",), absent=("eps",),
               not_torch="torch has no Lion optimizer, so no torch training script can load its state")

@@ -171,7 +171,8 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
             hf_files=hf_files, model_config=model_config)
         return ReshardPlan(source=ck.source_ref(), out=Path(out).expanduser().resolve(), world_size=world_size,
                            files=files, finals=[TextFile("latest", ck.location.tag, kind="latest")], folders=folders,
-                           chunk_bytes=chunk_bytes, overwrite=overwrite, sync=sync, notes=notes, checks=checks,
+                           chunk_bytes=chunk_bytes, overwrite=overwrite, sync=sync,
+                           notes=notes + optimizer_notes(ck), checks=checks,
                            workers=workers or default_workers(), from_mesh=ck.mesh, to_mesh=mesh, footprints=prints,
                            gpu_memory=gpu, crc=every_entry(ck) if verify_crc else [])
     refuse_unsupported(ck)
@@ -203,6 +204,8 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
         notes += carried_notes
     note = batch_note(ck, world_size)
     notes += [note] if note else []
+    if world_size != ck.partition_count:
+        notes += optimizer_notes(ck)
     prints = [footprint(sum(p.numel for p in zs.parameters if p.trainable and not p.tied_to), ck.dtype,
                         ck.zero_stage or 0, world_size, bf16_optimizer=ck.flavor == BF16_OPTIMIZER,
                         stage=zs.coordinate.pp, tp=zs.coordinate.tp) for zs in ck.sets.values()]
@@ -239,6 +242,13 @@ def refuse_unplaced_states(ck: Checkpoint) -> None:
                                                "ckptlib; `ckpt check --states` names them")
 
 
+def optimizer_notes(ck: Checkpoint) -> list[str]:
+    """What the optimizer of ``ck`` cannot keep at another size although every value is exact (the vocabulary's
+    ``reshard_note``: Adafactor's partition-wide norms), once per optimizer."""
+    fams = {gs.family.name: gs.family for zs in ck.sets.values() if zs.optimizer for gs in zs.optimizer.groups}
+    return [f"{f.label}: {f.reshard_note}" for f in fams.values() if f.reshard_note]
+
+
 def refuse_unsupported(ck: Checkpoint) -> None:
     """Checkpoints a reshard (direct or universal) does not apply to, or cannot rewrite yet, each with the reason
     (mixture-of-experts checkpoints: :mod:`ckptlib.reshard.moe` and :mod:`ckptlib.reshard.moe_universal`)."""
@@ -255,4 +265,5 @@ def refuse_unsupported(ck: Checkpoint) -> None:
 
 
 __all__ = ["ReshardPlan", "plan_reshard", "default_workers", "refuse_unsupported", "refuse_unplaced_states",
+           "optimizer_notes",
            "every_entry"]

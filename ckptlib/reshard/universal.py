@@ -103,7 +103,7 @@ from ..mesh import Rank
 from ..plan import CopyFile, Plan, TextFile
 from ..units import human_bytes
 from .moe_universal import EXPORT_HINT, expert_folders, moe_notes, renamed_groups, stacked_entries, target_ep
-from .plan import default_workers, every_entry, refuse_unplaced_states, refuse_unsupported
+from .plan import default_workers, every_entry, optimizer_notes, refuse_unplaced_states, refuse_unsupported
 from .trees import client_files, copied, replace, streamed, tree_file
 
 UNIVERSAL_SUFFIX = "_universal"
@@ -434,6 +434,7 @@ def plan_universal(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[s
                                   for n in names}, overwrite=overwrite, sync=sync,
                          checks=replica_checks(ck), crc=every_entry(ck) if verify_crc else [],
                          notes=src.notes + _notes(ck, tied, skipped_frozen) + moe_notes(ck, moe_ep) + carried_notes
+                         + optimizer_notes(ck)
                          + load,
                          workers=workers or default_workers())
 

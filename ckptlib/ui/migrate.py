@@ -58,11 +58,14 @@ def stand_in_model(ckpt) -> Any:
     return root
 
 
-def load_into_fsdp2(model, dcp_dir: os.PathLike, groups: list, classes: Optional[list] = None) -> tuple:
+def load_into_fsdp2(model, dcp_dir: os.PathLike, groups: list, classes: Optional[list] = None,
+                    settings: Optional[list] = None) -> tuple:
     """Shard ``model`` with FSDP2, build the torch optimizers over ``groups`` (lists of parameter names;
     ``classes``: each group's ``torch.optim`` class name, as :attr:`~ckptlib.export.dcp.DcpPlan.torch_optimizers`
     says, default AdamW for all: one optimizer per class, in the order the classes first appear, as a training
-    script builds them), load the DCP folder ``dcp_dir`` (torch layout) into both; returns ``(model, optimizers)``."""
+    script builds them; ``settings``: each group's state-deciding hyper-parameters, ``DcpPlan.torch_settings``,
+    which each optimizer is built with), load the DCP folder ``dcp_dir`` (torch layout) into both; returns
+    ``(model, optimizers)``."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -72,9 +75,10 @@ def load_into_fsdp2(model, dcp_dir: os.PathLike, groups: list, classes: Optional
     fully_shard(model)
     named = dict(model.named_parameters())
     classes = list(classes or ["AdamW"] * len(groups))
+    settings = list(settings or [{}] * len(groups))
     optims = []
     for cls in dict.fromkeys(classes):  # each optimizer's hyper-parameters are replaced by the loaded ones
-        mine = [{"params": [named[n] for n in names]} for names, c in zip(groups, classes) if c == cls]
+        mine = [{"params": [named[n] for n in names], **s} for names, c, s in zip(groups, classes, settings) if c == cls]
         optims.append(getattr(torch.optim, cls)(mine))
     msd, osd = get_state_dict(model, optims)
     sd = {"model": msd, "optimizer": osd}
