@@ -51,6 +51,7 @@ class SourceRef:
     total_bytes: int
     stamps: tuple = ()
     tp_rules: Any = None  # how a tensor-parallel source without universal_checkpoint_info joins (SplitRules)
+    model_type: Optional[str] = None  # an AutoEP source read in the layout of this transformers model type
 
     @property
     def ranks(self) -> Optional[int]:

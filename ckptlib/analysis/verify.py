@@ -374,7 +374,9 @@ class _DcpSource:
 def _open_source(plan: Plan):
     if plan.source.flavor == "dcp":
         return _DcpSource(plan.source.save_dir)
-    return open_checkpoint(plan.source.save_dir, tag=plan.source.tag, tp_rules=plan.source.tp_rules)
+    ck = open_checkpoint(plan.source.save_dir, tag=plan.source.tag, tp_rules=plan.source.tp_rules)
+    model_type = getattr(plan.source, "model_type", None)
+    return ck.in_layout(model_type) if model_type else ck
 
 
 def free_disk(path: os.PathLike) -> Optional[int]:

@@ -124,7 +124,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         args.path, args.out, tag=args.tag, format=args.format, dtype=args.dtype,
         max_shard_size=args.max_shard_size, exclude_frozen=args.exclude_frozen, states=states,
         workers=args.workers, overwrite=args.overwrite, tp_rules=args.tp_rules, hf_files=args.hf_files,
-        sync=args.sync, dcp=dcp_options(args), verify_crc=args.verify_crc), "export")
+        sync=args.sync, dcp=dcp_options(args), verify_crc=args.verify_crc, model_config=args.model_config), "export")
 
 
 def _cmd_reshard(args: argparse.Namespace) -> int:
@@ -236,6 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not copy config.json (with the exported dtype), generation_config.json, tokenizer "
                         "files, chat templates and remote code from beside the checkpoint")
     p.add_argument("--exclude-frozen", action="store_true", help="leave out frozen parameters")
+    p.add_argument("--model-config", metavar="CONFIG.json",
+                   help="an AutoEP checkpoint's HF model config (default: config.json beside the checkpoint): its "
+                        "experts are written as the model's class keeps them (gate_up_proj, down_proj), the config "
+                        "beside them, for from_pretrained")
     p.add_argument("--states", help="optimizer states to export too, comma separated (e.g. exp_avg,exp_avg_sq or "
                                     "momentum_buffer), or 'all' for every per-element key the optimizer keeps "
                                     "(`ckpt inspect` lists them per group)")

@@ -10,6 +10,7 @@ Tensor values are read only when asked for, and then only the bytes of the piece
 """
 from __future__ import annotations
 
+import copy
 import os
 from typing import Optional, Union
 
@@ -22,6 +23,7 @@ from ..layout.ranges import StoredRange
 from ..mesh import Rank
 from ..plan import SourceRef
 from ..system.gcpause import gc_paused
+from .autoep import hf_view
 from .discovery import Location, locate, repair_hint
 from .fileset import OpenedFiles
 from .join import PIPELINE, RULES_HINT, join
@@ -80,6 +82,7 @@ class Checkpoint:
         self.sequence_parallel, self.num_experts = joined.sequence_parallel, joined.num_experts
         self.refusals: list[str] = joined.refusals
         self.tp_rules = tp_rules
+        self.model_type: Optional[str] = None  # see in_layout
         self.layer_stages: dict = {}  # layer file path -> the stage that holds its layer
         for zs in self.sets.values():
             for h in zs.records.index.module.values():
@@ -129,7 +132,7 @@ class Checkpoint:
                          tag_dir=os.fspath(self.location.tag_dir), zero_stage=self.zero_stage, flavor=self.flavor,
                          dtype=self.dtype, dp_world_size=self.mesh.dp, partition_count=self.partition_count,
                          total_bytes=self.total_bytes, stamps=tuple(stamp(os.fspath(f.path)) for f in self.files),
-                         tp_rules=self.tp_rules)
+                         tp_rules=self.tp_rules, model_type=self.model_type)
 
     def param(self, name: str) -> ParameterInfo:
         p = self._params.get(self.parameters, name)
@@ -152,6 +155,22 @@ class Checkpoint:
         seen = set(names)
         return names + [n for n in [p.name for p in self.parameters] + [b.name for b in self.buffers]
                         if n not in seen]
+
+    def in_layout(self, model_type: str) -> "Checkpoint":
+        """This checkpoint (the same opened files, sets and reader) with an AutoEP model's experts in the layout of
+        transformers' ``model_type`` class (:func:`~ckptlib.deepspeed.autoep.hf_view`); ``model_type`` is recorded
+        (:meth:`source_ref`) so that a plan's source opens the same way again. Metadata only.
+
+        Raises:
+            UnsupportedCheckpointError: not an AutoEP checkpoint, or a model type whose layout is not known."""
+        if not self.records.autoep_layers or self.view is None:
+            raise UnsupportedCheckpointError("only an AutoEP checkpoint has a model class's layout to take",
+                                             path=self.location.tag_dir)
+        other = copy.copy(self)
+        other.view = hf_view(self.view, self.records.autoep_layers, model_type)
+        other.model_type = model_type
+        other._params, other._buffers = NameIndex(), NameIndex()
+        return other
 
     def replicated(self) -> list[str]:
         """Names of the tensors stored whole on more than one tensor rank (compared when read)."""

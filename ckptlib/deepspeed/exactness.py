@@ -200,7 +200,7 @@ def value_proofs(ck) -> list[RangeCheck]:
     another parameter has the same shape: :meth:`~ckptlib.deepspeed.ZeroSet.stage0_proofs`); a run compares
     them before writing and refuses when they differ."""
     return [RangeCheck(what, tuple(a), tuple(b), dtype) for zs in ck.sets.values() for what, a, b, dtype in
-            (zs.stage0_proofs() if zs.flavor == NO_ZERO else [])]
+            (zs.stage0_proofs() if zs.flavor == NO_ZERO else []) + list(zs.records.index.alias_proofs)]
 
 
 __all__ = ["value_proofs", "Finding", "findings", "saved_as", "duplicates", "require_exact", "replica_checks",

@@ -14,6 +14,7 @@ from typing import Optional
 
 from ..errors import UnsupportedCheckpointError
 from ..mesh import Mesh, Rank
+from . import autoep
 from . import files as fnames
 from .fileset import OpenedFiles
 from .model import ModelView, single_set_view
@@ -82,11 +83,13 @@ def join(fs: OpenedFiles, notes: list, problems: list, tp_rules: Optional[SplitR
         problems.append(f"{f.relpath}: a pipeline layer file, but this checkpoint has no pipeline stages (its "
                         "model-states file holds the whole module): left over from another run?")
     dp = zs.partition_count or zs.dp_world_size or 1
-    view = single_set_view(zs)
+    layers = autoep.layers_of(model0)
+    view = autoep.autoep_view(zs, layers) if layers and not zs.records.unsupported else single_set_view(zs)
     if sp > 1:
         view.notes.append(f"sequence parallel (Ulysses) of size {sp}: the weights are not split; ZeRO partitions "
                           f"them over all {dp} ranks (sequence x data parallel)")
-    ep = max([g.ep for g in zs.records.expert_groups.values()] + [len(zs.records.index.stage0_optimizers), 1])
+    ep = max([g.ep for g in zs.records.expert_groups.values()] + [len(zs.records.index.stage0_optimizers), 1]
+             + [lay.ep for lay in layers])
     return Joined({mps[0]: zs}, view, DATA_PARALLEL, Mesh(dp=max(1, dp // sp), ep=ep), sequence_parallel=sp,
                   num_experts=list(experts) if isinstance(experts, (list, tuple)) else None)
 

@@ -48,6 +48,12 @@ class ExpertGroup:
     ep: int
     edp: int
     num_local: int
+    autoep: bool = False
+
+    def global_name(self, local: str, ep_rank: int) -> str:
+        """The name of expert-parallel rank ``ep_rank``'s tensor ``local`` in the model: DeepSpeed-MoE's experts
+        under their global ids, AutoEP's stacked experts under :func:`~ckptlib.deepspeed.autoep.ep_name`."""
+        return f"{local}@ep{ep_rank}" if self.autoep else global_name(local, ep_rank, self.num_local)
 
     def data_rank(self, ep_rank: int, partition: int) -> int:
         """The data rank holding partition ``partition`` of expert-parallel rank ``ep_rank``'s experts."""
@@ -57,9 +63,12 @@ class ExpertGroup:
         return data_rank % self.ep
 
 
-def expert_groups(param_groups: list, param_shapes: list, counts: list, world: int) -> dict[int, ExpertGroup]:
+def expert_groups(param_groups: list, param_shapes: list, counts: list, world: int,
+                  autoep_local: Optional[int] = None) -> dict[int, ExpertGroup]:
     """The expert groups among a ZeRO-1/2 optimizer's groups (``param_groups`` of rank 0's base
-    optimizer state, the model's ``param_shapes``, the ``partition_count`` of each group)."""
+    optimizer state, the model's ``param_shapes``, the ``partition_count`` of each group); ``autoep_local``: an
+    AutoEP checkpoint's local experts per ep rank (its experts are stacked tensors, named the same on every ep
+    rank)."""
     out = {}
     for g, pg in enumerate(param_groups):
         if not (isinstance(pg, dict) and pg.get("moe")) or g >= len(param_shapes):
@@ -68,7 +77,8 @@ def expert_groups(param_groups: list, param_shapes: list, counts: list, world: i
         ids = {expert_id(n) for n in param_shapes[g]} - {None}
         m = re.match(r"ep_size_(\d+)$", str(pg.get("name", "")))
         ep = int(m.group(1)) if m else max(1, world // max(edp, 1))
-        out[g] = ExpertGroup(group=g, ep=ep, edp=edp, num_local=len(ids) or 1)
+        out[g] = ExpertGroup(group=g, ep=ep, edp=edp, num_local=autoep_local or len(ids) or 1,
+                             autoep=autoep_local is not None)
     return out
 
 

@@ -14,6 +14,7 @@ from ..dtypes import BY_NAME
 from ..errors import IncompleteCheckpointError, NotACheckpointError, UnsupportedCheckpointError
 from ..io.torchzip import TensorHandle
 from ..mesh import Rank
+from . import autoep
 from . import files as fnames
 from . import partitions
 from .fileset import OpenedFiles
@@ -53,7 +54,10 @@ def parse(fs: OpenedFiles, notes: list, problems: list, mp: int = 0, module: Opt
     rec.mp_world_size = as_int(model.get("mp_world_size")) or 1
     rec.ds_config = model.get("ds_config") if isinstance(model.get("ds_config"), dict) else {}
     rec.index.module = model.get("module") if isinstance(model.get("module"), dict) else {}
-    if is_moe(fs, model) and module is None:  # the experts' 16-bit weights, under their global ids
+    layers = rec.autoep_layers = autoep.layers_of(model)
+    if layers and module is None:  # AutoEP: stacked experts, their per-expert files checked
+        problems += autoep.expert_file_problems(fs, layers)
+    elif is_moe(fs, model) and module is None:  # the experts' 16-bit weights, under their global ids
         rec.index.module = with_experts(rec.index.module, expert_file_tensors(fs))
         model = dict(model, module=rec.index.module)
         problems += expert_file_problems(fs, model)

@@ -115,6 +115,7 @@ class TensorIndex:
     experts: dict = field(default_factory=dict)      # MoE: global name -> (group, expert-parallel rank, local name)
     swapped: dict = field(default_factory=dict)      # NVMe offload: (dp, sub-group) -> {state or None: RawTensor}
     stage0_ambiguous: dict = field(default_factory=dict)  # ZeRO-0: matched name -> the other name it could be
+    alias_proofs: list = field(default_factory=list)  # (what, ranges, ranges, dtype): aliases known by name, proven
 
 
 @dataclass
@@ -139,6 +140,7 @@ class Records:
     problems: list = field(default_factory=list)
     unsupported: list = field(default_factory=list)  # the problems that are layouts ckptlib refuses to read
     expert_groups: dict = field(default_factory=dict)  # MoE: group -> ckptlib.deepspeed.moe.ExpertGroup
+    autoep_layers: list = field(default_factory=list)  # AutoEP: its MoE layers (ckptlib.deepspeed.autoep.AutoEPLayer)
     ties_from_storage: dict = field(default_factory=dict)
     index: TensorIndex = field(default_factory=TensorIndex)
 

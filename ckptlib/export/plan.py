@@ -20,6 +20,7 @@ from ..io.streaming import DEFAULT_CHUNK_BYTES
 from ..plan import CopyFile, PlannedTensor, RangeCheck, TextFile
 from ..system.gcpause import gc_paused
 from ..units import parse_size
+from .hf_layout import ModelConfig, in_hf_layout
 from .weights import ExportPlan, model_tensors, weights_files
 
 FORMATS = ("safetensors", "torch", "dcp")
@@ -31,7 +32,8 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
                 max_shard_size: Union[int, str] = "5GB", exclude_frozen: bool = False,
                 states: Sequence[str] = (), workers: int = 1, overwrite: bool = False,
                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, tp_rules=None, hf_files: bool = True,
-                sync: bool = True, dcp: Optional[dict] = None, verify_crc: bool = False) -> ExportPlan:
+                sync: bool = True, dcp: Optional[dict] = None, verify_crc: bool = False,
+                model_config: ModelConfig = None) -> ExportPlan:
     """Plan the export of consolidated weights (and optionally optimizer states); reads no tensor data.
 
     Args:
@@ -58,6 +60,9 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
         dcp: with ``format="dcp"``: ``layout`` (``"torch"``, ``"torchtitan"``, ``"accelerate"``) and
             ``optimizer`` (True: the optimizer state too; ``states`` naming any state does the same); see
             :mod:`ckptlib.export.dcp`. The result is a :class:`~ckptlib.export.dcp.DcpPlan`.
+        model_config: an AutoEP checkpoint's model config (``config.json``, its folder, or the dict; default: the
+            ``config.json`` beside the checkpoint): its experts are written as the model's class keeps them
+            (:mod:`ckptlib.export.hf_layout`), and the config beside them.
         verify_crc: verify the CRC-32 of every zip member of the checkpoint the export reads, before writing
             (one more read of those bytes; a mismatch is refused, naming the file and member).
         sync: put the output on disk before it appears under its name (default; see :class:`~ckptlib.plan.Plan`).
@@ -77,15 +82,18 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
     ck = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, tag=tag, tp_rules=tp_rules)
     if format not in FORMATS:
         raise CkptError(f"unknown format {format!r}; choose one of {', '.join(FORMATS)}")
-    if format == "dcp":
-        require_exact(ck)  # the validation of every conversion, as below
-        return _plan_dcp(ck, out, dtype=dtype, max_shard_size=max_shard_size, states=states, workers=workers,
-                         overwrite=overwrite, chunk_bytes=chunk_bytes, sync=sync, exclude_frozen=exclude_frozen,
-                         verify_crc=verify_crc, **(dcp or {}))
-    if dcp:
-        raise CkptError("layout and optimizer options are for --format dcp")
     if dtype not in OUTPUT_DTYPES:
         raise CkptError(f"unknown dtype {dtype!r}; choose one of {', '.join(OUTPUT_DTYPES)}")
+    ck, layout_files, layout_notes = in_hf_layout(ck, model_config, BY_SHORT[dtype].name)
+    if format == "dcp":
+        require_exact(ck)  # the validation of every conversion, as below
+        plan = _plan_dcp(ck, out, dtype=dtype, max_shard_size=max_shard_size, states=states, workers=workers,
+                         overwrite=overwrite, chunk_bytes=chunk_bytes, sync=sync, exclude_frozen=exclude_frozen,
+                         verify_crc=verify_crc, **(dcp or {}))
+        plan.notes[:0] = layout_notes
+        return plan
+    if dcp:
+        raise CkptError("layout and optimizer options are for --format dcp")
     if workers < 1:
         raise CkptError("workers must be at least 1")
     limit = _limit(max_shard_size)
@@ -114,7 +122,11 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
               if t.kind != "tied"] + value_proofs(ck)
     crc = entries_touching(ck.zip_entries(), [r for f in files for t in f.tensors for r in t.ranges] +
                            [r for c in checks for r in c.a + c.b]) if verify_crc else []
-    side, side_notes = _side_files(ck, out_dtype) if hf_files else ([], [])
+    side, side_notes = _side_files(ck, out_dtype) if hf_files and not layout_files else ([], [])
+    if layout_files:  # the config given for the layout, the rest of what from_pretrained reads from beside the checkpoint
+        found, _ = hf.model_files(ck.location.save_dir) if hf_files else ([], None)
+        side = layout_files + [CopyFile(f.name, f.source, f.bytes, kind="hf") for f in found if f.name != hf.CONFIG]
+        side_notes = layout_notes
     files += [f for f in side if isinstance(f, CopyFile)]
     finals = [f for f in side if isinstance(f, TextFile)] + finals
     return ExportPlan(source=ck.source_ref(), out=Path(out).expanduser().resolve(), files=files, finals=finals,

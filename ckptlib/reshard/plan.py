@@ -143,6 +143,7 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
     """
     ck = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, tag=tag, tp_rules=tp_rules)
     require_exact(ck)  # the validation export and the universal checkpoint run too
+    refuse_autoep(ck)
     refuse_unplaced_states(ck)
     world_size = ck.mesh.dp if world_size is None else world_size
     for what, size in (("data-parallel", world_size), ("tensor-parallel", tp), ("pipeline", pp), ("expert-parallel", ep)):
@@ -222,6 +223,17 @@ def every_entry(ck: Checkpoint) -> list:
     return [e for entries in ck.zip_entries(every=True).values() for e in entries]
 
 
+def refuse_autoep(ck: Checkpoint) -> None:
+    """AutoEP checkpoints are read and exported, not yet rewritten for another mesh: refused with what does work."""
+    if ck.records.autoep_layers:
+        raise UnsupportedCheckpointError(
+            "resharding an AutoEP checkpoint (experts stacked per expert-parallel rank, ds_autoep_layers) is not "
+            "supported yet", path=ck.location.tag_dir,
+            hint="`ckpt export CKPT OUT --model-config CONFIG.json` writes the whole model in its Hugging Face layout "
+                 "(--states all: the optimizer states too); DeepSpeed's own ds_to_universal + load_universal resumes "
+                 "a ZeRO-2 AutoEP checkpoint at another size")
+
+
 def refuse_unplaced_states(ck: Checkpoint) -> None:
     """Refuse an optimizer state a reshard cannot re-cut exactly: an optimizer ckptlib does not know (its state
     might not be per element: a blockwise-quantised one would be scattered), or a state key whose stored sizes fit
@@ -264,6 +276,6 @@ def refuse_unsupported(ck: Checkpoint) -> None:
             hint="`ckpt export` writes its full model; train with ZeRO-1 to make checkpoints that reshard")
 
 
-__all__ = ["ReshardPlan", "plan_reshard", "default_workers", "refuse_unsupported", "refuse_unplaced_states",
+__all__ = ["ReshardPlan", "plan_reshard", "default_workers", "refuse_unsupported", "refuse_unplaced_states", "refuse_autoep",
            "optimizer_notes",
            "every_entry"]

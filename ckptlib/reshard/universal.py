@@ -103,7 +103,8 @@ from ..mesh import Rank
 from ..plan import CopyFile, Plan, TextFile
 from ..units import human_bytes
 from .moe_universal import EXPORT_HINT, expert_folders, moe_notes, renamed_groups, stacked_entries, target_ep
-from .plan import default_workers, every_entry, optimizer_notes, refuse_unplaced_states, refuse_unsupported
+from .plan import (default_workers, every_entry, optimizer_notes, refuse_autoep, refuse_unplaced_states,
+                   refuse_unsupported)
 from .trees import client_files, copied, replace, streamed, tree_file
 
 UNIVERSAL_SUFFIX = "_universal"
@@ -359,6 +360,7 @@ def plan_universal(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[s
     """
     ck = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, tag=tag, tp_rules=tp_rules)
     require_exact(ck)  # the validation export and reshard run too
+    refuse_autoep(ck)
     refuse_unplaced_states(ck)
     if ck.flavor == NO_ZERO:
         raise UnsupportedCheckpointError(

@@ -1,0 +1,168 @@
+"""AutoEP checkpoints (DeepSpeed 0.19.8, expert parallelism for Hugging Face MoE models: Mixtral, Qwen3-MoE and
+OLMoE presets; tests/fixtures/autoep) through ckptlib, against the live engines' references:
+
+- ZeRO-2: inspect (experts per ep rank, the router alias, no false problem), every AutoEP tensor read exactly
+  (each expert weight stacked from its expert-parallel ranks), the export in the layout of the model's class that
+  ``from_pretrained`` of that class loads as is (weights and ``--states`` equal to the live engine's masters under
+  HF's names), refused without a model config; check and diff; the DCP model export;
+- ZeRO-3 ("zero3_partitioned"): said to be AutoEP at ZeRO-3 and refused, not called damaged.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptlib
+from tests.fixtures.autoep import common as C
+
+ZERO2 = [s.name for s in C.all_specs() if s.stage == 2]
+ZERO3 = [s.name for s in C.all_specs() if s.stage == 3]
+
+
+@pytest.fixture(scope="session")
+def autoep_fixtures() -> dict:
+    from tests.fixtures.autoep.factory import ensure_fixtures, list_fixtures
+
+    out = {}
+    for fx in list_fixtures(ensure_fixtures(verbose=False)):
+        fx["path"], fx["checkpoint_path"] = Path(fx["path"]), Path(fx["checkpoint_path"])
+        out[fx["name"]] = fx
+    return out
+
+
+def _ref(fx: dict) -> dict:
+    return torch.load(fx["path"] / "reference.pt", map_location="cpu", weights_only=False)
+
+
+@pytest.mark.parametrize("name", ZERO2)
+def test_inspect_and_read_every_autoep_tensor_exactly(autoep_fixtures, name):
+    fx = autoep_fixtures[name]
+    ref = _ref(fx)
+    with ckptlib.open_checkpoint(fx["checkpoint_path"]) as ck:
+        assert ck.problems == [] and ck.mesh.ep == fx["ep_size"] and ck.mesh.dp == fx["world_size"]
+        d = ckptlib.describe(ck)
+        assert d["problems"] == []
+        names = {p.name for p in ck.parameters if not p.tied_to}
+        assert names == set(ref["params"]), sorted(names ^ set(ref["params"]))
+        for n, want in ref["params"].items():
+            assert torch.equal(ck.read_param(n), want), n
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(ck.read_state(n, key), ref["states"][key][n]), (key, n)
+        aliases = {p.name: p.tied_to for p in ck.parameters if p.tied_to}
+        assert aliases == {f"model.layers.{i}.mlp.gate.gate.weight": f"model.layers.{i}.mlp.router.gate.weight"
+                           for i in range(2)}
+        assert ck.view.full_shape("model.layers.0.mlp.experts.w1")[0] == 4
+
+
+def _export(fx, out, **kw) -> ckptlib.ExportPlan:
+    plan = ckptlib.plan_export(fx["checkpoint_path"], out, model_config=fx["path"] / "hf_config", **kw)
+    ckptlib.run(plan)
+    assert ckptlib.verify(plan).ok
+    return plan
+
+
+@pytest.mark.parametrize("name", ZERO2)
+def test_the_export_loads_with_from_pretrained_of_the_class_with_the_live_engines_masters(autoep_fixtures, tmp_path,
+                                                                                          name):
+    import transformers
+    from safetensors.torch import load_file
+
+    fx = autoep_fixtures[name]
+    ref = _ref(fx)
+    plan = _export(fx, tmp_path / "out", states=["all"])
+    assert any("gate_up_proj = cat(w1, w3)" in n for n in plan.notes)
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    assert sorted(got) == sorted(ref["hf"]["params"])
+    for n, want in ref["hf"]["params"].items():
+        assert torch.equal(got[n], want), n
+    for key in ("exp_avg", "exp_avg_sq"):
+        states = load_file(tmp_path / "out" / key / "model.safetensors")
+        for n, want in ref["hf"]["states"][key].items():
+            assert torch.equal(states[n], want), (key, n)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["model_type"] == json.loads((fx["path"] / "hf_config" / "config.json").read_text())["model_type"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    assert type(model).__name__ == fx["model_class"]
+    sd = model.state_dict()
+    assert sorted(sd) == sorted(ref["hf"]["params"])
+    for n, want in ref["hf"]["params"].items():
+        assert torch.equal(sd[n], want), n
+
+
+def test_the_export_asks_for_the_model_config_and_refuses_another_models(autoep_fixtures, tmp_path):
+    fx = autoep_fixtures["qwen3_moe_z2_w2_ep2"]
+    with pytest.raises(ckptlib.CkptError, match="records no model class") as e:
+        ckptlib.plan_export(fx["checkpoint_path"], tmp_path / "out")
+    assert "--model-config" in e.value.hint
+    other = json.loads((fx["path"] / "hf_config" / "config.json").read_text())
+    with pytest.raises(ckptlib.CkptError, match="model_type is 'llama'"):
+        ckptlib.plan_export(fx["checkpoint_path"], tmp_path / "out", model_config=dict(other, model_type="llama"))
+    with pytest.raises(ckptlib.CkptError, match="has 8 experts per layer"):
+        ckptlib.plan_export(fx["checkpoint_path"], tmp_path / "out", model_config=dict(other, num_experts=8))
+    assert not (tmp_path / "out").exists()
+    beside = tmp_path / "beside"  # a config.json beside the checkpoint is taken as the model's
+    shutil.copytree(fx["checkpoint_path"], beside)
+    shutil.copy(fx["path"] / "hf_config" / "config.json", beside / "config.json")
+    plan = ckptlib.plan_export(beside, tmp_path / "out2")
+    assert any("config from beside the checkpoint" in n for n in plan.notes)
+
+
+def test_the_cli_exports_an_autoep_checkpoint(autoep_fixtures, tmp_path):
+    from tests.cli import run_cli
+
+    fx = autoep_fixtures["olmoe_z2_w2_ep2"]
+    code, out, err = run_cli("export", fx["checkpoint_path"], tmp_path / "out", "--model-config",
+                             fx["path"] / "hf_config" / "config.json")
+    assert code == 0, err
+    assert "OlmoeForCausalLM" in out + err
+    code, out, err = run_cli("inspect", fx["checkpoint_path"])
+    assert code == 0 and "AutoEP" in out and "expert parallel 2" in out, out
+
+
+@pytest.mark.parametrize("name", ["mixtral_z2_w4_ep2", "qwen3_moe_z2_w2_ep2"])
+def test_check_and_diff(autoep_fixtures, tmp_path, name):
+    fx = autoep_fixtures[name]
+    result = ckptlib.check(fx["checkpoint_path"], states=True)
+    assert result.problems == [], [str(p) for p in result.problems]
+    _export(fx, tmp_path / "out")
+    d = ckptlib.diff(fx["checkpoint_path"], fx["checkpoint_path"], states=True)
+    assert d.ok and d.counts["same"] == len(d.tensors)
+
+
+def test_the_dcp_model_export_holds_the_hf_names(autoep_fixtures, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    fx = autoep_fixtures["mixtral_z2_w2_ep2"]
+    ref = _ref(fx)
+    plan = ckptlib.plan_export(fx["checkpoint_path"], tmp_path / "dcp", format="dcp",
+                               model_config=fx["path"] / "hf_config")
+    ckptlib.run(plan)
+    assert ckptlib.verify(plan).ok
+    sd = {"model": {n: torch.empty_like(t) for n, t in ref["hf"]["params"].items()}}
+    dcp.load(sd, checkpoint_id=str(tmp_path / "dcp"))
+    for n, want in ref["hf"]["params"].items():
+        assert torch.equal(sd["model"][n], want), n
+
+
+@pytest.mark.parametrize("universal", [False, True])
+def test_a_reshard_of_an_autoep_checkpoint_is_refused_with_what_works(autoep_fixtures, tmp_path, universal):
+    from tests.cli import assert_refused, run_cli
+
+    fx = autoep_fixtures["mixtral_z2_w2_ep2"]
+    args = ["--universal"] if universal else ["--world-size", "4"]
+    code, out, err = run_cli("reshard", fx["checkpoint_path"], tmp_path / "out", *args)
+    assert_refused(code, out, err, ["resharding an AutoEP checkpoint", "--model-config"], tmp_path / "out")
+
+
+@pytest.mark.parametrize("name", ZERO3)
+def test_zero3_autoep_is_said_to_be_what_it_is_and_refused(autoep_fixtures, tmp_path, name):
+    fx = autoep_fixtures[name]
+    with ckptlib.open_checkpoint(fx["checkpoint_path"]) as ck:
+        assert not any("missing" in p or "damaged" in p for p in ck.problems), ck.problems
+        assert any("AutoEP at ZeRO-3" in p for p in ck.problems)
+    with pytest.raises(ckptlib.UnsupportedCheckpointError, match="AutoEP at ZeRO-3"):
+        ckptlib.plan_export(fx["checkpoint_path"], tmp_path / "out", model_config=fx["path"] / "hf_config")
