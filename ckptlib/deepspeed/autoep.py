@@ -90,16 +90,81 @@ def alias_names(layers: list[AutoEPLayer]) -> set:
 def router_aliases(layers: list[AutoEPLayer], module: dict, proofs: list) -> dict:
     """``{alias: router}`` for each layer whose module holds both (``AutoEPMoELayer.gate`` is its ``router``: the
     same parameter, saved twice); ``proofs`` gets, per alias, the two saved 16-bit copies to compare before any
-    conversion uses the tie."""
+    conversion uses the tie (ZeRO-3 saves both as empty placeholders: nothing to compare, the tie is AutoEP's
+    structure)."""
     out = {}
     for lay in layers:
         alias, router = f"{lay.module_path}.gate.gate.weight", f"{lay.module_path}.router.gate.weight"
         a, r = module.get(alias), module.get(router)
-        if isinstance(a, TensorHandle) and isinstance(r, TensorHandle) and a.numel and a.numel == r.numel:
-            out[alias] = router
+        if not (isinstance(a, TensorHandle) and isinstance(r, TensorHandle) and a.numel == r.numel):
+            continue
+        out[alias] = router
+        if a.numel:
             proofs.append((f"{alias}: AutoEP's alias of {router} (the same parameter), both saved copies",
                            a.ranges(), r.ranges(), r.dtype_name))
     return out
+
+
+def zero3_layout(fs, model_files: list, optims: dict, sub_groups: list[dict], n: int, problems: list):
+    """The ZeRO-3 layout of an AutoEP checkpoint ("zero3_partitioned"), or None (``problems`` says why):
+    ``(layout, trainable, experts, members)``.
+
+    Each sub-group is partitioned over the ranks its ``ds_zero_partition_groups`` entry lists (the dense ones over
+    all ``n``, the experts' over an ep rank's expert data-parallel ranks); every rank's model-states file names its
+    ep rank. An expert sub-group holds, on each ep rank's members, that ep rank's stacked experts under the same
+    local names: they become the parameters :func:`ep_name` ``(local, e)``, at the same offsets. ``trainable``:
+    ``{name: (shape, sub-group)}``; ``experts``: ``{name: (sub-group, ep rank, local)}``; ``members``:
+    ``{name: [data rank of each partition]}`` for the experts (the dense ones are partitioned over ranks
+    ``0 .. n-1`` in order)."""
+    from ..layout.flat import Zero3Layout, Zero3Slot, chunk_size
+
+    ep_of: dict = {}
+    for f in model_files:
+        tf = fs.get(f)
+        lays = (tf.obj.get(KEY) or []) if tf is not None and isinstance(tf.obj, dict) else []
+        eps = {as_int(d.get("ep_rank")) for d in lays if isinstance(d, dict)}
+        if f.dp_rank is not None and len(eps) == 1 and None not in eps:
+            ep_of[f.dp_rank] = eps.pop()
+    groups = {rank.dp: osd.get("ds_zero_partition_groups") for rank, osd in optims.items()}
+    first = groups.get(0)
+    if len(ep_of) != n or not isinstance(first, (list, tuple)) or len(first) != len(sub_groups):
+        problems.append("AutoEP at ZeRO-3: every rank's model-states file must name its ep rank and every optimizer "
+                        "file its ds_zero_partition_groups, one per sub-group of param_shapes: they do not")
+        return None
+    worlds, slots, sizes = [], [], []
+    trainable, experts, members = {}, {}, {}
+    for j, params in enumerate(sub_groups):
+        entry = first[j] if isinstance(first[j], dict) else {}
+        w = as_int(entry.get("partition_count")) or n
+        expert = "autoep_expert" in (entry.get("families") or [])
+        by_ep: dict = {}
+        for r in range(n):
+            e = ep_of[r] if expert else 0
+            mine = (groups.get(r) or [None] * len(sub_groups))[j]
+            ranks = list(mine.get("partition_ranks") or []) if isinstance(mine, dict) else []
+            if len(ranks) != w or r not in ranks or (not expert and ranks != list(range(n))) or \
+                    by_ep.setdefault(e, ranks) != ranks:
+                problems.append(f"AutoEP at ZeRO-3: rank {r}'s partition of sub-group {j} is over ranks {ranks}, "
+                                f"which does not fit {w} ranks per {'ep rank' if expert else 'sub-group'}")
+                return None
+        offset = 0
+        for name, shape in params.items():
+            shape = tuple(int(s) for s in shape)
+            for e in (sorted(by_ep) if expert else [None]):
+                full = ep_name(name, e) if expert else name
+                slots.append(Zero3Slot(name=full, shape=shape, sub_group=j, offset=offset))
+                trainable[full] = (shape, j)
+                if expert:
+                    experts[full] = (j, e, name)
+                    members[full] = by_ep[e]
+            numel = 1
+            for s in shape:
+                numel *= s
+            offset += chunk_size(numel, w)
+        worlds.append(w)
+        sizes.append(offset)
+    return (Zero3Layout(slots=tuple(slots), world_size=n, sub_group_sizes=tuple(sizes), sub_group_worlds=tuple(worlds)),
+            trainable, experts, members)
 
 
 def expert_file_problems(fs, layers: list[AutoEPLayer]) -> list[str]:
@@ -257,4 +322,5 @@ def hf_view(view: ModelView, layers: list[AutoEPLayer], model_type: str) -> Mode
 
 
 __all__ = ["KEY", "HF_CLASSES", "AutoEPLayer", "layers_of", "ep_name", "split_ep_name", "alias_names", "router_aliases",
+           "zero3_layout",
            "expert_file_problems", "autoep_view", "hf_view"]

@@ -148,13 +148,6 @@ def check_state_keys(rec: Records) -> None:
 # ============================================================================================ ZeRO-3
 def build_zero3(rec: Records, fs: OpenedFiles, model: dict, model_files: list[FileInfo],
                 optim_files: list[FileInfo]) -> None:
-    if autoep.layers_of(model):
-        sentence = ("AutoEP at ZeRO-3 (checkpoint_format zero3_partitioned): the experts live in ZeRO-3 sub-groups "
-                    "partitioned over each expert-parallel rank's expert data-parallel ranks "
-                    "(ds_zero_partition_groups), which ckptlib does not place yet")
-        rec.problems.append(sentence)
-        rec.unsupported.append(sentence)
-        return
     sub_groups = _param_shape_groups(model.get("param_shapes"))
     if sub_groups is None:
         raise UnsupportedCheckpointError(f"the ZeRO-3 model-states file has no 'param_shapes' (written by "
@@ -163,6 +156,12 @@ def build_zero3(rec: Records, fs: OpenedFiles, model: dict, model_files: list[Fi
     rec.partition_count = as_int(optim[min(optim)].get("partition_count"))
     n = rec.partition_count or rec.dp_world_size or len(optim_files)
     layout = Zero3Layout.build([list(g.items()) for g in sub_groups], n)
+    autoep_trainable = None
+    if autoep.layers_of(model):  # experts per ep rank, sub-groups over different rank sets
+        found = autoep.zero3_layout(fs, model_files, optim, sub_groups, n, rec.problems)
+        if found is None:
+            return
+        layout, autoep_trainable, rec.index.experts, rec.index.zero3_members = found
     rec.layouts = [layout]
     check_rank_files(rec, optim_files, n, "optimizer-state")
     check_rank_files(rec, model_files, n, "model-states")
@@ -182,13 +181,14 @@ def build_zero3(rec: Records, fs: OpenedFiles, model: dict, model_files: list[Fi
                     empties.setdefault(r, {})[k] = t  # swapped to NVMe: its swap files are matched below
                 else:
                     rec.problems.append(f"{_who(optim_files, r)} sub-group {k}: the fp32 partition holds {got} elements, "
-                                        f"{want} are expected from param_shapes at {n} ranks")
+                                        f"{want} are expected from param_shapes at {layout.world_of(k)} ranks")
     if empties:
         _swapped_partitions(rec, fs, model, layout, empties)
     elif (fs.location.tag_dir / offload.SWAP_DIR).is_dir():
         rec.notes.append(f"NVMe offload was configured, but no sub-group was swapped ({offload.SWAP_DIR}/ holds "
                          f"{len(offload.swap_paths(fs.location.tag_dir))} files): every tensor is in the .pt files")
-    trainable = {name: (tuple(shape), k) for k, group in enumerate(sub_groups) for name, shape in group.items()}
+    trainable = autoep_trainable or {name: (tuple(shape), k) for k, group in enumerate(sub_groups)
+                                     for name, shape in group.items()}
     frozen_shapes = {nm: tuple(s) for nm, s in (model.get("frozen_param_shapes") or {}).items()}
     # every rank's model file holds its chunk of each frozen parameter; ties are those rank 0 records. Each
     # file is opened (and so checked); its object tree is only looked at when there are frozen parameters
@@ -205,6 +205,9 @@ def build_zero3(rec: Records, fs: OpenedFiles, model: dict, model_files: list[Fi
             rec.index.frozen[name] = chunks
         else:
             rec.problems.append(f"frozen parameter {name}: chunks missing on some ranks")
+    if autoep_trainable is not None:
+        shared = dict(shared or {}, **autoep.router_aliases(autoep.layers_of(model), rec.index.module,
+                                                             rec.index.alias_proofs))
     check_state_keys(rec)
     collect_parameters(rec, model, trainable, frozen_shapes, shared or {})
 

@@ -116,6 +116,7 @@ class TensorIndex:
     swapped: dict = field(default_factory=dict)      # NVMe offload: (dp, sub-group) -> {state or None: RawTensor}
     stage0_ambiguous: dict = field(default_factory=dict)  # ZeRO-0: matched name -> the other name it could be
     alias_proofs: list = field(default_factory=list)  # (what, ranges, ranges, dtype): aliases known by name, proven
+    zero3_members: dict = field(default_factory=dict)  # AutoEP ZeRO-3: expert name -> data rank of each partition
 
 
 @dataclass

@@ -111,7 +111,9 @@ class ZeroSet:
             return []
         whole = key not in (None, MODULE) and self.state_key(p, key).layout == WHOLE_PARAMS
         if self.zero_stage == 3:
-            return self.layouts[0].pieces(name)
+            members = self.records.index.zero3_members.get(name)  # AutoEP's experts: an ep rank's partitions
+            pieces = self.layouts[0].pieces(name)
+            return [dataclasses.replace(pc, rank=members[pc.rank]) for pc in pieces] if members else pieces
         return self._placed(p, whole)[:1] if whole else self._placed(p, False)
 
     def _placed(self, p: ParameterInfo, whole: bool) -> list[Piece]:

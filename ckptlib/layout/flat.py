@@ -292,6 +292,11 @@ class Zero3Layout:
     slots: tuple
     world_size: int
     sub_group_sizes: tuple  # per-rank flat length of each sub-group
+    sub_group_worlds: tuple = ()  # ranks each sub-group is partitioned over, where not all (AutoEP's experts)
+
+    def world_of(self, sub_group: int) -> int:
+        """Over how many ranks ``sub_group`` is partitioned (``world_size`` unless ``sub_group_worlds`` says)."""
+        return self.sub_group_worlds[sub_group] if sub_group < len(self.sub_group_worlds) else self.world_size
 
     @classmethod
     def build(cls, sub_groups: Sequence[Sequence[tuple]], world_size: int) -> "Zero3Layout":
@@ -327,19 +332,22 @@ class Zero3Layout:
         return self._by_sub_group.get(sub_group, [])
 
     def chunk(self, name: str) -> int:
-        return chunk_size(self.slot(name).numel, self.world_size)
+        s = self.slot(name)
+        return chunk_size(s.numel, self.world_of(s.sub_group))
 
     def pieces(self, name: str) -> list[Piece]:
-        """Pieces of ``name``, one per rank that holds real (non-padding) elements, in rank order."""
+        """Pieces of ``name``, one per rank that holds real (non-padding) elements, in rank order (the ranks of
+        its sub-group's partition: ``0 .. world_of(sub_group) - 1``)."""
         s = self.slot(name)
-        c = chunk_size(s.numel, self.world_size)
+        w = self.world_of(s.sub_group)
+        c = chunk_size(s.numel, w)
         return [Piece(rank=r, group=s.sub_group, rank_start=s.offset, param_start=r * c, count=n)
-                for r, n in enumerate(zero3_real_counts(s.numel, self.world_size)) if n > 0]
+                for r, n in enumerate(zero3_real_counts(s.numel, w)) if n > 0]
 
     def param_range_pieces(self, name: str, start: int, count: int) -> list[Piece]:
         """Pieces holding elements ``[start, start+count)`` of parameter ``name`` (``param_start`` absolute)."""
         s = self.slot(name)
-        c = chunk_size(s.numel, self.world_size)
+        c = chunk_size(s.numel, self.world_of(s.sub_group))
         out, i, end = [], start, start + count
         if end > s.numel:
             raise IndexError(f"{name} has {s.numel} elements; [{start}, {end}) is out of bounds")
@@ -354,9 +362,10 @@ class Zero3Layout:
     def segments(self, rank: int, sub_group: int) -> list[Segment]:
         """Parameter chunks and padding in ``rank``'s flat tensor of ``sub_group``."""
         segs: list[Segment] = []
+        w = self.world_of(sub_group)
         for s in self.sub_group_slots(sub_group):
-            c = chunk_size(s.numel, self.world_size)
-            real = zero3_real_count(s.numel, self.world_size, rank)
+            c = chunk_size(s.numel, w)
+            real = zero3_real_count(s.numel, w, rank)
             if real:
                 segs.append(Segment(rank_start=s.offset, count=real, name=s.name, param_start=rank * c))
             if c - real:
