@@ -125,6 +125,72 @@ def test_the_cli_exports_an_autoep_checkpoint(autoep_fixtures, tmp_path):
     assert code == 0 and "AutoEP" in out and "expert parallel 2" in out, out
 
 
+#: (fixture, target world, target ep): ep 2 -> 1, data-parallel changes, ep 2 -> 4
+RESHARDS = [("mixtral_z2_w2_ep2", 2, 1), ("mixtral_z2_w2_ep2", 4, 2), ("mixtral_z2_w4_ep2", 2, 2),
+            ("mixtral_z2_w4_ep2", 4, 4), ("qwen3_moe_z2_w2_ep2", 2, 1), ("olmoe_z2_w2_ep2", 4, 2)]
+
+
+@pytest.fixture(scope="module")
+def loads(autoep_fixtures, tmp_path_factory):
+    """Every reshard above loaded by DeepSpeed's AutoEP engine at its new size, and each source at its own."""
+    from collections import defaultdict
+
+    from tests.fixtures.autoep.load_check import job_for_fixture, run_load_checks
+
+    work = tmp_path_factory.mktemp("autoep-loads")
+    jobs = defaultdict(list)
+    for name in sorted({n for n, _, _ in RESHARDS}):
+        fx = autoep_fixtures[name]
+        jobs[fx["world_size"]].append(job_for_fixture(fx, name=f"{name}@orig"))
+    for name, world, ep in RESHARDS:
+        fx = autoep_fixtures[name]
+        out = work / f"{name}-w{world}-ep{ep}"
+        plan = ckptlib.plan_reshard(fx["checkpoint_path"], out, world, ep=ep)
+        ckptlib.run(plan)
+        assert ckptlib.verify(plan).ok, ckptlib.verify(plan).describe()
+        jobs[world].append(job_for_fixture(fx, checkpoint_dir=out, name=f"{name}->w{world}ep{ep}", ep_size=ep))
+    results = {}
+    for world, js in sorted(jobs.items()):
+        results.update(run_load_checks(js, world, work / f"w{world}"))
+    return results
+
+
+@pytest.mark.parametrize("name,world,ep", RESHARDS, ids=[f"{n}->w{w}ep{e}" for n, w, e in RESHARDS])
+def test_deepspeeds_autoep_engine_loads_the_reshard_exactly(loads, autoep_fixtures, name, world, ep):
+    from tests.fixtures.compare import HALF_RTOL, continuation_error
+
+    fx = autoep_fixtures[name]
+    got, orig = loads[f"{name}->w{world}ep{ep}"], loads[f"{name}@orig"]
+    assert "error" not in got, got.get("error")
+    assert "error" not in orig, orig.get("error")
+    assert got["world_size"] == world and got["ep_size"] == ep
+    ref = _ref(fx)
+    loaded = got["loaded"]
+    for n, want in ref["params"].items():
+        assert torch.equal(loaded["params"][n], want), n
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(loaded["states"][key][n], ref["states"][key][n]), (key, n)
+    for n, want in ref["module16"].items():
+        assert torch.equal(loaded["module16"][n], want), n
+    assert loaded["step"] == ref["step"] and not loaded["problems"], loaded["problems"]
+    err = continuation_error(got["after_step"]["params"], orig["after_step"]["params"], orig["loaded"]["params"],
+                             "bf16")
+    assert err <= HALF_RTOL, err
+
+
+@pytest.mark.parametrize("args", [["--universal"], ["--world-size", "4", "--tp", "2"]])
+def test_what_an_autoep_reshard_cannot_do_is_refused_with_what_works(autoep_fixtures, tmp_path, args):
+    from tests.cli import assert_refused, run_cli
+
+    fx = autoep_fixtures["mixtral_z2_w2_ep2"]
+    words = ["universal checkpoint of an AutoEP checkpoint", "--ep"] if "--universal" in args else ["no tensor"]
+    code, out, err = run_cli("reshard", fx["checkpoint_path"], tmp_path / "out", *args)
+    assert_refused(code, out, err, words, tmp_path / "out")
+    zero3 = autoep_fixtures["mixtral_z3_w2_ep2"]
+    with pytest.raises(ckptlib.UnsupportedCheckpointError, match="AutoEP checkpoint at ZeRO-3"):
+        ckptlib.plan_reshard(zero3["checkpoint_path"], tmp_path / "out3", 4)
+
+
 @pytest.mark.parametrize("name", ["mixtral_z2_w4_ep2", "qwen3_moe_z2_w2_ep2", "mixtral_z3_w4_ep2", "olmoe_z3_w2_ep2"])
 def test_check_and_diff(autoep_fixtures, tmp_path, name):
     fx = autoep_fixtures[name]
@@ -149,13 +215,3 @@ def test_the_dcp_model_export_holds_the_hf_names(autoep_fixtures, tmp_path, name
     dcp.load(sd, checkpoint_id=str(tmp_path / "dcp"))
     for n, want in ref["hf"]["params"].items():
         assert torch.equal(sd["model"][n], want), n
-
-
-@pytest.mark.parametrize("universal", [False, True])
-def test_a_reshard_of_an_autoep_checkpoint_is_refused_with_what_works(autoep_fixtures, tmp_path, universal):
-    from tests.cli import assert_refused, run_cli
-
-    fx = autoep_fixtures["mixtral_z2_w2_ep2"]
-    args = ["--universal"] if universal else ["--world-size", "4"]
-    code, out, err = run_cli("reshard", fx["checkpoint_path"], tmp_path / "out", *args)
-    assert_refused(code, out, err, ["resharding an AutoEP checkpoint", "--model-config"], tmp_path / "out")

@@ -8,14 +8,15 @@ from typing import ClassVar, Optional, Union
 
 from ..deepspeed import BF16_OPTIMIZER, NO_ZERO, Checkpoint, SplitRules, load_rules, open_checkpoint
 from ..deepspeed import files as fnames
-from ..deepspeed.exactness import replica_checks, require_exact
-from ..kinds.optimizers import UNKNOWN
+from ..deepspeed.exactness import replica_checks, require_exact, value_proofs
 from ..errors import CkptError, UnsupportedCheckpointError
-from ..mesh import Mesh
 from ..io.streaming import DEFAULT_CHUNK_BYTES
+from ..kinds.optimizers import UNKNOWN
+from ..mesh import Mesh
 from ..plan import CopyFile, Plan, TextFile
 from ..system.gcpause import gc_paused
 from ..units import human_bytes, parse_size
+from .autoep import plan_autoep_files
 from .footprint import footprint
 from .mesh_plan import plan_mesh_files
 from .moe import plan_moe_files
@@ -143,7 +144,6 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
     """
     ck = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, tag=tag, tp_rules=tp_rules)
     require_exact(ck)  # the validation export and the universal checkpoint run too
-    refuse_autoep(ck)
     refuse_unplaced_states(ck)
     world_size = ck.mesh.dp if world_size is None else world_size
     for what, size in (("data-parallel", world_size), ("tensor-parallel", tp), ("pipeline", pp), ("expert-parallel", ep)):
@@ -151,6 +151,14 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
             raise CkptError(f"the target {what} size must be at least 1")
     mesh = Mesh(dp=world_size, tp=tp or ck.mesh.tp, pp=pp or ck.mesh.pp, ep=ep or ck.mesh.ep)
     gpu = parse_size(gpu_memory) if isinstance(gpu_memory, str) else gpu_memory
+    if ck.records.autoep_layers:  # AutoEP: each ep rank's stacked experts cut from the full weights
+        files, notes = plan_autoep_files(ck, mesh, hf_files=hf_files)
+        return ReshardPlan(source=ck.source_ref(), out=Path(out).expanduser().resolve(), world_size=world_size,
+                           files=files, finals=[TextFile("latest", ck.location.tag, kind="latest")],
+                           folders=[ck.location.tag], chunk_bytes=chunk_bytes, overwrite=overwrite, sync=sync,
+                           notes=notes + optimizer_notes(ck), checks=replica_checks(ck) + value_proofs(ck),
+                           workers=workers or default_workers(), from_mesh=ck.mesh, to_mesh=mesh, gpu_memory=gpu,
+                           crc=every_entry(ck) if verify_crc else [])
     if ck.num_experts:  # experts regrouped for the new expert-parallel and data-parallel sizes
         if (mesh.tp, mesh.pp) != (ck.mesh.tp, ck.mesh.pp):
             raise UnsupportedCheckpointError("changing the tensor or pipeline size of a mixture-of-experts checkpoint "
@@ -224,14 +232,13 @@ def every_entry(ck: Checkpoint) -> list:
 
 
 def refuse_autoep(ck: Checkpoint) -> None:
-    """AutoEP checkpoints are read and exported, not yet rewritten for another mesh: refused with what does work."""
+    """AutoEP checkpoints have no universal form of ckptlib's yet: refused with what does work."""
     if ck.records.autoep_layers:
         raise UnsupportedCheckpointError(
-            "resharding an AutoEP checkpoint (experts stacked per expert-parallel rank, ds_autoep_layers) is not "
-            "supported yet", path=ck.location.tag_dir,
-            hint="`ckpt export CKPT OUT --model-config CONFIG.json` writes the whole model in its Hugging Face layout "
-                 "(--states all: the optimizer states too); DeepSpeed's own ds_to_universal + load_universal resumes "
-                 "a ZeRO-2 AutoEP checkpoint at another size")
+            "a universal checkpoint of an AutoEP checkpoint (experts stacked per expert-parallel rank, "
+            "ds_autoep_layers) is not supported yet", path=ck.location.tag_dir,
+            hint="`ckpt reshard CKPT OUT --world-size N --ep E` writes native files for another size (ZeRO-1/2); "
+                 "DeepSpeed's own ds_to_universal + load_universal resumes a ZeRO-2 AutoEP checkpoint at another size")
 
 
 def refuse_unplaced_states(ck: Checkpoint) -> None:
