@@ -117,7 +117,7 @@ def test_notebook_runs_headless(notebook, fixture, fixture_by_name, executed_not
         assert (out_dir / "dcp" / ".metadata").is_file() and "verification failed" not in text
         assert " 0 changed, 0 only in A, 0 only in B, 0 shape changed" in text
         n = sum(1 for p in fx["parameters"] if p["trainable"] and not p["tied_to"])
-        assert f"FSDP2 holds {n} of {n} fp32 masters, {n} of {n} exp_avg, {n} of {n} exp_avg_sq bit for bit" in text
+        assert f"FSDP2 holds, bit for bit: {n} of {n} masters, {n} of {n} exp_avg, {n} of {n} exp_avg_sq" in text
     if notebook == "05_health_and_diff":  # healthy, the fp32 export the same, the bf16 one changed
         assert (out_dir / "diff-fp32" / "model.safetensors").is_file() and (out_dir / "diff-bf16").is_dir()
         assert "healthy: " in text and " 0 changed, 0 only in A, 0 only in B, 0 shape changed" in text

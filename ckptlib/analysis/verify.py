@@ -261,16 +261,16 @@ def _verify_reshard(plan, src: Checkpoint, out: Path, cmp: Comparer, share: Shar
         def differ(name: str, dtype: str, key: Optional[str] = None) -> bool:  # compared here if it is ours
             if not share.mine():
                 return False  # the full tensors (a padded vocabulary with its padding rows), whatever the meshes
-            return not cmp.equal(src.view.sources(name, key, padded=True), new.view.sources(name, key, padded=True),
-                                 dtype)
+            ranges = src.view.sources(name, key, padded=True)
+            return not cmp.equal(ranges, new.view.sources(name, key, padded=True), dtype) or \
+                (key is not None and any(not cmp.equal(ranges, copy, dtype)  # every further copy of a whole state
+                                         for _, _, copy in new.replica_checks(name, key)))
 
         bad = [p.name for p in trainable if differ(p.name, "float32")]
         checks.append(_tally("every fp32 master equals the source's, bit for bit", len(trainable), bad))
         for key in keys:
             holders = [p for p in trainable if key in src.state_keys(p.name)]
-            bad = [p.name for p in holders if differ(p.name, "float32", key) or key not in new.state_keys(p.name)
-                   or (share.mine() and any(not cmp.equal(src.view.sources(p.name, key, padded=True), copy, "float32")
-                                            for _, _, copy in new.replica_checks(p.name, key)))]
+            bad = [p.name for p in holders if key not in new.state_keys(p.name) or differ(p.name, "float32", key)]
             checks.append(_tally(f"every {key} (and every further copy of it) equals the source's, bit for bit",
                                  len(holders), bad))
         others = [p for p in src.parameters if not p.trainable and not p.tied_to and p.name in src.records.index.frozen]
