@@ -110,8 +110,10 @@ MUON = Family("muon", "Muon", ("momentum_buffer",), steps=False, marks=("use_muo
               whole_params_at_zero12=True,
               torch_hyper=("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps",
                            "adjust_lr_fn"),
-              # DeepSpeed's muon_update: Nesterov momentum, 5 quintic Newton-Schulz steps with these coefficients
-              # and eps, the update scaled by sqrt(max(1, rows / cols)) (torch's "original")
+              # DeepSpeed's muon_update: Nesterov momentum, 5 Newton-Schulz steps with these coefficients and eps,
+              # the update scaled by sqrt(max(1, rows / cols)) (torch's "original"); its default ns_method "gram"
+              # iterates on the Gram matrix (in fp16 where supported), torch's standard quintic one does not, so
+              # the steps agree in their settings, not bit for bit (docs/dcp.md)
               torch_fills=(("nesterov", True), ("ns_coefficients", (3.4445, -4.775, 2.0315)), ("eps", 1e-07),
                            ("ns_steps", 5), ("adjust_lr_fn", "original")))
 SGD = Family("sgd", "SGD with momentum", ("momentum_buffer",), steps=False, marks=("dampening", "nesterov"),

@@ -231,16 +231,6 @@ def every_entry(ck: Checkpoint) -> list:
     return [e for entries in ck.zip_entries(every=True).values() for e in entries]
 
 
-def refuse_autoep(ck: Checkpoint) -> None:
-    """AutoEP checkpoints have no universal form of ckptlib's yet: refused with what does work."""
-    if ck.records.autoep_layers:
-        raise UnsupportedCheckpointError(
-            "a universal checkpoint of an AutoEP checkpoint (experts stacked per expert-parallel rank, "
-            "ds_autoep_layers) is not supported yet", path=ck.location.tag_dir,
-            hint="`ckpt reshard CKPT OUT --world-size N --ep E` writes native files for another size (ZeRO-1/2); "
-                 "DeepSpeed's own ds_to_universal + load_universal resumes a ZeRO-2 AutoEP checkpoint at another size")
-
-
 def refuse_unplaced_states(ck: Checkpoint) -> None:
     """Refuse an optimizer state a reshard cannot re-cut exactly: an optimizer ckptlib does not know (its state
     might not be per element: a blockwise-quantised one would be scattered), or a state key whose stored sizes fit
@@ -283,6 +273,6 @@ def refuse_unsupported(ck: Checkpoint) -> None:
             hint="`ckpt export` writes its full model; train with ZeRO-1 to make checkpoints that reshard")
 
 
-__all__ = ["ReshardPlan", "plan_reshard", "default_workers", "refuse_unsupported", "refuse_unplaced_states", "refuse_autoep",
+__all__ = ["ReshardPlan", "plan_reshard", "default_workers", "refuse_unsupported", "refuse_unplaced_states",
            "optimizer_notes",
            "every_entry"]

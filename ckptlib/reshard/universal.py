@@ -102,9 +102,9 @@ from ..kinds.optimizers import WHOLE_PARAMS
 from ..mesh import Rank
 from ..plan import CopyFile, Plan, TextFile
 from ..units import human_bytes
-from .moe_universal import EXPORT_HINT, expert_folders, moe_notes, renamed_groups, stacked_entries, target_ep
-from .plan import (default_workers, every_entry, optimizer_notes, refuse_autoep, refuse_unplaced_states,
-                   refuse_unsupported)
+from .moe_universal import (EP_NUM_EXPERTS, EXPORT_HINT, IS_EXPERT_PARAM, expert_folders, moe_notes, renamed_groups,
+                            stacked_entries, target_ep)
+from .plan import default_workers, every_entry, optimizer_notes, refuse_unplaced_states, refuse_unsupported
 from .trees import client_files, copied, replace, streamed, tree_file
 
 UNIVERSAL_SUFFIX = "_universal"
@@ -279,6 +279,20 @@ def refuse_for_universal(ck: Checkpoint) -> None:
                         "no place for: it would be dropped", path=where, hint=hint)
 
 
+def autoep_expert_entries(ck: Checkpoint) -> dict:
+    """``{AutoEP expert weight: the entries its universal files carry}``: the full ``[E, ...]`` tensor marked
+    ``is_expert_param`` with ``ep_num_experts`` E, from which DeepSpeed 0.19.8's loader takes each ep rank's rows by
+    the live layer's placement (``_resolve_autoep_partition``), at any expert-parallel size."""
+    layers = ck.records.autoep_layers
+    if not layers or ck.view is None:
+        return {}
+    out = {}
+    for lay in layers:
+        for w in ("w1", "w2", "w3"):
+            out[lay.weight(w)] = {IS_EXPERT_PARAM: True, EP_NUM_EXPERTS: lay.num_experts}
+    return out
+
+
 def _notes(ck: Checkpoint, tied: list, skipped_frozen: list) -> list[str]:
     notes = []
     if tied:
@@ -360,7 +374,6 @@ def plan_universal(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[s
     """
     ck = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, tag=tag, tp_rules=tp_rules)
     require_exact(ck)  # the validation export and reshard run too
-    refuse_autoep(ck)
     refuse_unplaced_states(ck)
     if ck.flavor == NO_ZERO:
         raise UnsupportedCheckpointError(
@@ -371,7 +384,8 @@ def plan_universal(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[s
     if ep is not None and not ck.num_experts:
         raise UnsupportedCheckpointError("this checkpoint has no experts: there is no expert-parallel size to choose",
                                          path=ck.location.tag_dir)
-    moe_ep = target_ep(ck, ep) if ck.num_experts else None
+    autoep_experts = autoep_expert_entries(ck)
+    moe_ep = target_ep(ck, ep) if ck.num_experts and not autoep_experts else None
     folders = expert_folders(ck, moe_ep) if moe_ep else {}
     folder_of = {n: local for local, names in folders.items() for n in names}
     src = _Source(ck)
@@ -404,12 +418,12 @@ def plan_universal(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[s
                 continue
             add(f"{p.name}/fp32.pt", {"param": streamed("float32", ranges, shape=tuple(p.shape))})  # as ds_to_universal
             continue
-        single = len(ck.sets) == 1
+        single = len(ck.sets) == 1 and p.name not in autoep_experts
         ranks = sorted({pc.rank for n in names for pc in ck.pieces(n)}) if single else []
         rg = ck.partition_tensor(Rank(dp=ranks[0]), p.group).requires_grad if ranks else False
         role = ck.view.roles.get(p.name)
         extra = {"cat_dim": 1 if role == "row" else 0, **({"vocab_tensor": True} if role == "vocabulary" else {}),
-                 **stacked}
+                 **stacked, **autoep_experts.get(p.name, {})}
         shape = (len(names), *p.shape) if stacked else tuple(p.shape)
         add(f"{folder}/fp32.pt", {**extra, "param": streamed("float32", _joined(ck, names, None), rg, shape)},
             ranks=ranks)
@@ -436,6 +450,9 @@ def plan_universal(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[s
                                   for n in names}, overwrite=overwrite, sync=sync,
                          checks=replica_checks(ck), crc=every_entry(ck) if verify_crc else [],
                          notes=src.notes + _notes(ck, tied, skipped_frozen) + moe_notes(ck, moe_ep) + carried_notes
+                         + ([f"AutoEP experts: each folder holds the full [{ck.records.autoep_layers[0].num_experts}, ...] "
+                             "weight (is_expert_param, ep_num_experts): DeepSpeed's loader takes each expert-parallel "
+                             "rank's rows, at any expert-parallel size"] if autoep_experts else [])
                          + optimizer_notes(ck)
                          + load,
                          workers=workers or default_workers())
