@@ -72,6 +72,26 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("ds_fixture", names, indirect=True)
 
 
+def _family(factory: str) -> dict:
+    """``{name: fixture.json with absolute path and checkpoint_path}`` of a fixture family, built once."""
+    import importlib
+
+    mod = importlib.import_module(factory)
+    return {fx["name"]: fx for fx in mod.list_fixtures(mod.ensure_fixtures(verbose=False))}
+
+
+@pytest.fixture(scope="session")
+def optim_fixtures() -> dict:
+    """Checkpoints made with every optimizer (tests/fixtures/optim)."""
+    return _family("tests.fixtures.optim.factory")
+
+
+@pytest.fixture(scope="session")
+def autoep_fixtures() -> dict:
+    """AutoEP checkpoints (tests/fixtures/autoep)."""
+    return _family("tests.fixtures.autoep.factory")
+
+
 def only_fixtures(predicate):
     """Decorator: run a ``ds_fixture`` test only on fixtures whose name satisfies ``predicate``."""
     def deco(fn):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,15 +22,6 @@ from tests.fixtures.autoep import common as C
 NAMES = [s.name for s in C.all_specs()]
 
 
-@pytest.fixture(scope="session")
-def autoep_fixtures() -> dict:
-    from tests.fixtures.autoep.factory import ensure_fixtures, list_fixtures
-
-    out = {}
-    for fx in list_fixtures(ensure_fixtures(verbose=False)):
-        fx["path"], fx["checkpoint_path"] = Path(fx["path"]), Path(fx["checkpoint_path"])
-        out[fx["name"]] = fx
-    return out
 
 
 def _ref(fx: dict) -> dict:

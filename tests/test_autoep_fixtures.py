@@ -20,11 +20,6 @@ NAMES = [s.name for s in C.all_specs()]
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
 
-@pytest.fixture(scope="session")
-def autoep_fixtures() -> dict:
-    from tests.fixtures.autoep.factory import ensure_fixtures, list_fixtures
-
-    return {fx["name"]: fx for fx in list_fixtures(ensure_fixtures(verbose=False))}
 
 
 def _load(p):

@@ -39,11 +39,6 @@ STATE_KEYS = {  # per flat group, sorted
 }
 
 
-@pytest.fixture(scope="session")
-def optim_fixtures() -> dict:
-    from tests.fixtures.optim.factory import ensure_fixtures, list_fixtures
-
-    return {fx["name"]: fx for fx in list_fixtures(ensure_fixtures(verbose=False))}
 
 
 def _load(path: Path):

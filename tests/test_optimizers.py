@@ -38,15 +38,6 @@ FAMILIES = {"muon": None, "sgd": "sgd", "adagrad": "adagrad", "rmsprop": "rmspro
             "adamw": "adam", "cpu_lion": "lion", "cpu_adagrad": "cpu_adagrad"}
 
 
-@pytest.fixture(scope="session")
-def optim_fixtures() -> dict:
-    from tests.fixtures.optim.factory import ensure_fixtures, list_fixtures
-
-    out = {}
-    for fx in list_fixtures(ensure_fixtures(verbose=False)):
-        fx["path"], fx["checkpoint_path"] = Path(fx["path"]), Path(fx["checkpoint_path"])
-        out[fx["name"]] = fx
-    return out
 
 
 def _ref(fx: dict) -> dict:

@@ -15,7 +15,6 @@ rank 0's ``global_expert_start/end``. The 16-bit per-expert files name global id
 """
 from __future__ import annotations
 
-import collections
 import os
 from pathlib import Path
 
@@ -23,85 +22,46 @@ from ..deepspeed import ZERO, Checkpoint
 from ..deepspeed import files as fnames
 from ..deepspeed.autoep import KEY, split_ep_name
 from ..errors import UnsupportedCheckpointError
-from ..io.torchzip.standins import TorchSize
 from ..kinds.optimizers import WHOLE_PARAMS
 from ..layout.flat import FlatGroupLayout
 from ..layout.placement import row_major_strides
-from ..layout.ranges import Zeros, slice_ranges
 from ..mesh import Mesh
 from ..plan import CopyFile
 from .trees import TreeFiles, batch_note, client_files, converter_scripts, replace
-from .zero12 import Zero12Writer
+from .moe import ExpertWriter
 
 
 def _refuse(ck: Checkpoint, why: str, hint=None):
     raise UnsupportedCheckpointError(why, path=ck.location.tag_dir, hint=hint)
 
 
-class AutoEPWriter(Zero12Writer):
+class AutoEPWriter(ExpertWriter):
     """The optimizer-states files of an AutoEP checkpoint at ``world`` ranks and ``ep`` expert-parallel ranks."""
 
     def __init__(self, ck: Checkpoint, world: int, ep: int):
         zs = ck.main
         self.ck, self.ep = ck, ep
-        layers = zs.records.autoep_layers
-        self.num_local = layers[0].num_experts // ep
+        self.num_local = zs.records.autoep_layers[0].num_experts // ep
         self.expert_groups = dict(zs.records.expert_groups)
-        dst, self.locals = [], {}
+        dst = []
         for g, lay in enumerate(zs.layouts):
-            if g in self.expert_groups:
-                slots = [(split_ep_name(s.name) or (s.name, 0))[0] for s in lay.slots]
-                shapes = {n: ck.view.full_shape(n) for n in slots}
-                self.locals[g] = slots
-                dst.append(FlatGroupLayout.build([(n, (self.num_local, *shapes[n][1:])) for n in slots], world // ep,
-                                                 group=g))
+            if g in self.expert_groups:  # the slots are the local names; their full [E, ...] weights cut by rows
+                names = [(split_ep_name(s.name) or (s.name, 0))[0] for s in lay.slots]
+                dst.append(FlatGroupLayout.build([(n, (self.num_local, *ck.view.full_shape(n)[1:])) for n in names],
+                                                 world // ep, group=g))
             else:
                 dst.append(FlatGroupLayout.build([(s.name, s.shape) for s in lay.slots], world, group=g))
         super().__init__(zs, dst, world, zs.mp)
-        self._full: dict = {}
 
-    def placement(self, g: int, rank: int):
-        if g in self.expert_groups:
-            return self.dst[g], rank // self.ep, self.m // self.ep
-        return self.dst[g], rank, self.m
-
-    def group_overrides(self, g: int) -> dict:
-        return {"name": f"ep_size_{self.ep}"} if g in self.expert_groups else {}
-
-    def _ranges(self, name: str, key) -> list:
-        k = (name, key)
-        if k not in self._full:
-            self._full[k] = self.ck.sources(name, key)  # the full [E, ...] weight (or state) under AutoEP's name
-        return self._full[k]
-
-    def partition_ranges(self, g: int, rank: int, padded: bool, key) -> list:
-        lay, idx, _ = self.placement(g, rank)
-        segs = lay.segments(idx)
-        if not padded:
-            while segs and segs[-1].is_padding:
-                segs.pop()
-        expert = g in self.expert_groups
-        out: list = []
-        for seg in segs:
-            if seg.is_padding:
-                out.append(Zeros(seg.count))
-                continue
-            start = seg.param_start
-            if expert:  # this ep rank's rows of the full weight
-                start += (rank % self.ep) * lay.slot(seg.name).numel
-            out += slice_ranges(self._ranges(seg.name, key), start, seg.count)
-        return out
+    def source_of(self, g: int, rank: int, name: str) -> tuple[str, int]:
+        if g not in self.expert_groups:
+            return name, 0
+        return name, (rank % self.ep) * self.placement(g, rank)[0].slot(name).numel  # this ep rank's rows
 
     def param_ranges(self, g: int, rank: int, name: str, key: str) -> list:
         if g in self.expert_groups:
             _refuse(self.ck, "a state kept per whole parameter (Muon) in an AutoEP expert group cannot be resharded yet")
         return self.ck.sources(name, key)
-
-    def feeds(self, rank: int) -> list:
-        return []
-
-    def param_shapes(self) -> list:
-        return [collections.OrderedDict((s.name, TorchSize(s.shape)) for s in lay.slots) for lay in self.dst]
 
 
 def target_layers(recorded: list, world: int, ep: int) -> list:

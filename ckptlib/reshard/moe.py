@@ -60,7 +60,50 @@ def _local_pattern(names: list) -> list:
     return out
 
 
-class MoEWriter(Zero12Writer):
+class ExpertWriter(Zero12Writer):
+    """What writers of checkpoints with expert groups share (DeepSpeed-MoE's, AutoEP's): an expert group is
+    partitioned over the ``m / ep`` ranks holding the same experts (target rank ``r``: partition ``r // ep``) and named
+    ``ep_size_{ep}``; each stretch of a target partition comes from a full tensor of the source (:meth:`source_of`).
+    Subclasses set ``ck``, ``ep``, ``expert_groups`` and call :meth:`Zero12Writer.__init__`."""
+
+    def placement(self, g: int, rank: int):
+        if g in self.expert_groups:
+            return self.dst[g], rank // self.ep, self.m // self.ep
+        return self.dst[g], rank, self.m
+
+    def group_overrides(self, g: int) -> dict:
+        return {"name": f"ep_size_{self.ep}"} if g in self.expert_groups else {}
+
+    def source_of(self, g: int, rank: int, name: str) -> tuple[str, int]:
+        """``(full tensor, element where target tensor name of group g on rank starts in it)``."""
+        raise NotImplementedError
+
+    def partition_ranges(self, g: int, rank: int, padded: bool, key) -> list:
+        lay, idx, _ = self.placement(g, rank)
+        segs = lay.segments(idx)
+        if not padded:
+            while segs and segs[-1].is_padding:
+                segs.pop()
+        full = self.__dict__.setdefault("_full", {})
+        out: list = []
+        for seg in segs:
+            if seg.is_padding:
+                out.append(Zeros(seg.count))
+                continue
+            name, at = self.source_of(g, rank, seg.name)
+            if (name, key) not in full:
+                full[(name, key)] = self.ck.sources(name, key)
+            out += slice_ranges(full[(name, key)], at + seg.param_start, seg.count)
+        return out
+
+    def feeds(self, rank: int) -> list:
+        return []
+
+    def param_shapes(self) -> list:
+        return [collections.OrderedDict((s.name, TorchSize(s.shape)) for s in lay.slots) for lay in self.dst]
+
+
+class MoEWriter(ExpertWriter):
     """The optimizer-states files of an MoE checkpoint at ``world`` ranks and ``ep`` expert-parallel ranks."""
 
     def __init__(self, ck: Checkpoint, world: int, ep: int, num_experts: int):
@@ -78,44 +121,13 @@ class MoEWriter(Zero12Writer):
             else:
                 dst.append(FlatGroupLayout.build([(s.name, s.shape) for s in lay.slots], world, group=g))
         super().__init__(zs, dst, world, zs.mp)
-        self._full: dict = {}
 
-    def placement(self, g: int, rank: int):
-        if g in self.expert_groups:
-            return self.dst[g], rank // self.ep, self.m // self.ep
-        return self.dst[g], rank, self.m
-
-    def group_overrides(self, g: int) -> dict:
-        return {"name": f"ep_size_{self.ep}"} if g in self.expert_groups else {}
-
-    def partition_ranges(self, g: int, rank: int, padded: bool, key) -> list:
-        lay, idx, _ = self.placement(g, rank)
-        segs = lay.segments(idx)
-        if not padded:
-            while segs and segs[-1].is_padding:
-                segs.pop()
-        expert = g in self.expert_groups
-        out: list = []
-        for seg in segs:
-            if seg.is_padding:
-                out.append(Zeros(seg.count))
-                continue
-            name = global_name(seg.name, rank % self.ep, self.num_local) if expert else seg.name
-            k = (name, key)
-            if k not in self._full:
-                self._full[k] = self.ck.sources(name, key)
-            out += slice_ranges(self._full[k], seg.param_start, seg.count)
-        return out
+    def source_of(self, g: int, rank: int, name: str) -> tuple[str, int]:
+        return (global_name(name, rank % self.ep, self.num_local) if g in self.expert_groups else name), 0
 
     def param_ranges(self, g: int, rank: int, name: str, key: str) -> list:
         return self.ck.sources(global_name(name, rank % self.ep, self.num_local) if g in self.expert_groups
                                else name, key)
-
-    def feeds(self, rank: int) -> list:
-        return []
-
-    def param_shapes(self) -> list:
-        return [collections.OrderedDict((s.name, TorchSize(s.shape)) for s in lay.slots) for lay in self.dst]
 
 
 def plan_moe_files(ck: Checkpoint, mesh: Mesh, hf_files: bool = True) -> tuple[list, list, list]:
@@ -166,4 +178,4 @@ def plan_moe_files(ck: Checkpoint, mesh: Mesh, hf_files: bool = True) -> tuple[l
     return files, notes, prints
 
 
-__all__ = ["plan_moe_files", "MoEWriter"]
+__all__ = ["plan_moe_files", "MoEWriter", "ExpertWriter"]
