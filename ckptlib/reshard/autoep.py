@@ -15,20 +15,16 @@ rank 0's ``global_expert_start/end``. The 16-bit per-expert files name global id
 """
 from __future__ import annotations
 
-import os
-from pathlib import Path
 
 from ..deepspeed import ZERO, Checkpoint
-from ..deepspeed import files as fnames
 from ..deepspeed.autoep import KEY, split_ep_name
 from ..errors import UnsupportedCheckpointError
 from ..kinds.optimizers import WHOLE_PARAMS
 from ..layout.flat import FlatGroupLayout
 from ..layout.placement import row_major_strides
 from ..mesh import Mesh
-from ..plan import CopyFile
-from .trees import TreeFiles, batch_note, client_files, converter_scripts, replace
-from .moe import ExpertWriter
+from .moe import ExpertWriter, expert_files
+from .trees import batch_note, client_files
 
 
 def _refuse(ck: Checkpoint, why: str, hint=None):
@@ -112,27 +108,17 @@ def plan_autoep_files(ck: Checkpoint, mesh: Mesh, hf_files: bool = True) -> tupl
     if (ck.ds_config.get("zero_optimization") or {}).get("round_robin_gradients"):
         _refuse(ck, "round_robin_gradients: resharding an AutoEP checkpoint with it is not supported yet")
     writer = AutoEPWriter(ck, world, ep)
-    tag = ck.location.tag
-    trees = TreeFiles()
     model = ck.main.model_states_file().obj
     recorded = model.get(KEY) or []
     new_layers = target_layers(recorded, world, ep)
     info = model.get("universal_checkpoint_info")
     cfg = model.get("ds_config") if isinstance(model.get("ds_config"), dict) else None
-    repl = dict(dp_world_size=world, param_shapes=writer.param_shapes(), **{KEY: new_layers})
+    repl = {KEY: new_layers}
     if isinstance(info, dict) and KEY in info:
         repl["universal_checkpoint_info"] = dict(info, **{KEY: new_layers})
     if cfg is not None and isinstance(cfg.get("expert_parallel"), dict):
         repl["ds_config"] = dict(cfg, expert_parallel=dict(cfg["expert_parallel"], autoep_size=ep))
-    files = [trees.make(f"{tag}/{fnames.model_states_name(0)}", "model_states", replace(model, **repl))]
-    for r in range(world):
-        name, obj = writer.optim_states(r)
-        files.append(trees.make(f"{tag}/{name}", "optim_states", obj, r))
-    for f in ck.files:
-        if f.kind == fnames.EXPERT_STATES:
-            files.append(CopyFile(f"{tag}/{f.path.name}", os.fspath(f.path), f.bytes))
-    for script in converter_scripts(ck):
-        files.append(CopyFile(Path(script).name, script, os.path.getsize(script)))
+    files = expert_files(ck, writer, repl)
     notes = [f"AutoEP experts: {n} per layer, {n // ep} on each of {ep} expert-parallel rank(s), each expert group "
              f"partitioned over {world // ep} rank(s); the per-expert files are copied (they name global ids); load it "
              f"with \"expert_parallel\": {{\"autoep_size\": {ep}}}"]

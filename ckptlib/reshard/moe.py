@@ -130,6 +130,22 @@ class MoEWriter(ExpertWriter):
                                else name, key)
 
 
+def expert_files(ck: Checkpoint, writer: ExpertWriter, model_entries: dict) -> list:
+    """The files of a checkpoint with experts at ``writer``'s mesh: ``mp_rank_00_model_states.pt`` (the source's with
+    the new world size, the writer's ``param_shapes`` and ``model_entries``), each rank's optimizer states, the 16-bit
+    expert files copied as they are (they name global ids) and DeepSpeed's converter scripts."""
+    tag, trees = ck.location.tag, TreeFiles()
+    model = ck.main.model_states_file().obj
+    tree = replace(model, dp_world_size=writer.m, param_shapes=writer.param_shapes(), **model_entries)
+    files = [trees.make(f"{tag}/{fnames.model_states_name(0)}", "model_states", tree)]
+    for r in range(writer.m):
+        name, obj = writer.optim_states(r)
+        files.append(trees.make(f"{tag}/{name}", "optim_states", obj, r))
+    files += [CopyFile(f"{tag}/{f.path.name}", os.fspath(f.path), f.bytes) for f in ck.files
+              if f.kind == fnames.EXPERT_STATES]
+    return files + [CopyFile(Path(s).name, s, os.path.getsize(s)) for s in converter_scripts(ck)]
+
+
 def plan_moe_files(ck: Checkpoint, mesh: Mesh, hf_files: bool = True) -> tuple[list, list, list]:
     """``(files, notes, footprints)`` of MoE checkpoint ``ck`` at ``mesh.dp`` ranks and ``mesh.ep`` expert ranks."""
     if ck.flavor != ZERO or ck.zero_stage not in (1, 2):
@@ -148,19 +164,7 @@ def plan_moe_files(ck: Checkpoint, mesh: Mesh, hf_files: bool = True) -> tuple[l
     if (ck.ds_config.get("zero_optimization") or {}).get("round_robin_gradients"):
         _refuse(ck, "round_robin_gradients: resharding a mixture-of-experts checkpoint with it is not supported yet")
     writer = MoEWriter(ck, world, ep, experts)
-    tag = ck.location.tag
-    trees = TreeFiles()
-    model = ck.main.model_states_file().obj
-    tree = replace(model, dp_world_size=world, param_shapes=writer.param_shapes())
-    files = [trees.make(f"{tag}/{fnames.model_states_name(0)}", "model_states", tree)]
-    for r in range(world):
-        name, obj = writer.optim_states(r)
-        files.append(trees.make(f"{tag}/{name}", "optim_states", obj, r))
-    for f in ck.files:
-        if f.kind == fnames.EXPERT_STATES:
-            files.append(CopyFile(f"{tag}/{f.path.name}", os.fspath(f.path), f.bytes))
-    for script in converter_scripts(ck):
-        files.append(CopyFile(Path(script).name, script, os.path.getsize(script)))
+    files = expert_files(ck, writer, {})
     notes = [f"experts: {experts} per MoE layer, {experts // ep} on each of {ep} expert-parallel rank(s), each "
              f"expert group partitioned over {world // ep} rank(s); expert files copied (they name global ids)"]
     if hf_files:
@@ -178,4 +182,4 @@ def plan_moe_files(ck: Checkpoint, mesh: Mesh, hf_files: bool = True) -> tuple[l
     return files, notes, prints
 
 
-__all__ = ["plan_moe_files", "MoEWriter", "ExpertWriter"]
+__all__ = ["plan_moe_files", "MoEWriter", "ExpertWriter", "expert_files"]
