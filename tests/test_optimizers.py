@@ -464,3 +464,39 @@ def test_dcp_refuses_what_no_torch_optimizer_continues(optim_fixtures, tmp_path,
         ckptlib.plan_export(fx["checkpoint_path"], tmp_path / "out", format="dcp", dcp={"optimizer": True})
     assert not (tmp_path / "out").exists()
     ckptlib.run(ckptlib.plan_export(fx["checkpoint_path"], tmp_path / "model", format="dcp"))  # the model alone
+
+
+# ============================================================================================ no internal error
+def _every_plan(path: Path, world: int, config) -> list:
+    """What each command plans for a checkpoint: a plan, or a refusal (a CkptError); anything else is a bug."""
+    out = []
+    attempts = [("describe", lambda: ckptlib.describe(ckptlib.open_checkpoint(path))),
+                ("check", lambda: ckptlib.plan_check(path, states=True)),
+                ("export", lambda: ckptlib.plan_export(path, "/nonexistent/a", states=["all"], model_config=config)),
+                ("dcp", lambda: ckptlib.plan_export(path, "/nonexistent/b", format="dcp", dcp={"optimizer": True},
+                                                    model_config=config)),
+                ("reshard", lambda: ckptlib.plan_reshard(path, "/nonexistent/c", 3 if world == 2 else 2)),
+                ("universal", lambda: ckptlib.plan_universal(path, "/nonexistent/d"))]
+    for what, make in attempts:
+        try:
+            make()
+            out.append((what, "planned"))
+        except ckptlib.CkptError as e:
+            out.append((what, f"refused: {e.message}"))
+    return out
+
+
+def test_every_command_plans_or_refuses_every_optimizer_and_autoep_checkpoint(optim_fixtures, autoep_fixtures):
+    """No command stops with an internal error on any of these checkpoints (what they write is checked above and
+    in tests/test_autoep.py); the refusals are the ones the docs name."""
+    refused = {}
+    for fx in list(optim_fixtures.values()) + list(autoep_fixtures.values()):
+        config = fx["path"] / "hf_config" if (fx["path"] / "hf_config").is_dir() else None
+        for what, result in _every_plan(fx["checkpoint_path"], fx["world_size"], config):
+            if result.startswith("refused"):
+                refused[(fx["name"], what)] = result
+    kinds = {(name.split("_z")[0], what) for name, what in refused}
+    assert kinds <= {("muon", "universal"), ("sgd", "universal"), ("rmsprop", "universal"),
+                     ("adagrad_1group", "universal"), ("cpu_adagrad", "universal"), ("adafactor", "dcp"),
+                     ("cpu_lion", "dcp"), ("mixtral", "reshard"), ("qwen3_moe", "reshard"), ("olmoe", "reshard")}, kinds
+    assert all("universal loader" in r for (n, w), r in refused.items() if w == "universal"), refused
