@@ -103,9 +103,12 @@ def parallel_line(ckpt: Checkpoint) -> str:
         first = layers[0]
         where = "; ".join(f"ep rank {e}: experts {e * first.num_local}-{(e + 1) * first.num_local - 1}"
                           for e in range(first.ep))
+        preset = (ckpt.ds_config.get("expert_parallel") or {}).get("preset_model")
         parts.append(f"AutoEP mixture of experts ({first.checkpoint_format}): {len(layers)} MoE layers of "
                      f"{first.num_experts} experts, expert parallel {first.ep} ({where}), expert data parallel "
-                     f"{max(1, ckpt.mesh.dp // first.ep)}; model class not recorded (export takes --model-config)")
+                     f"{max(1, ckpt.mesh.dp // first.ep)}; "
+                     + (f"preset {preset}" if preset else "preset detected from the model (not recorded)")
+                     + "; model class not recorded (export takes --model-config)")
     elif ckpt.num_experts:
         parts.append(f"mixture of experts, {', '.join(map(str, ckpt.num_experts))} experts per MoE layer, "
                      f"expert parallel {ckpt.mesh.ep}")
