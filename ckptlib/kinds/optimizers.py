@@ -54,7 +54,6 @@ class Family:
         not_torch: why its state cannot be carried to a torch optimizer (where ``torch`` is None, or where
             torch keeps another form).
         whole_params_at_zero12: at ZeRO-1/2 its keys are :data:`WHOLE_PARAMS` (Muon).
-        unused: keys the optimizer keeps but never reads (DeepSpeed's CPU Lion allocates an ``exp_avg_sq``).
     """
 
     name: str
@@ -73,7 +72,6 @@ class Family:
     not_torch: str = ""
     reshard_note: str = ""
     whole_params_at_zero12: bool = False
-    unused: tuple = ()
 
     def __repr__(self) -> str:
         return f"Family({self.name!r})"
@@ -147,7 +145,7 @@ ADAFACTOR = Family("adafactor", "Adafactor", ("variance",), nonnegative=frozense
                                 "update.norm()), so its steps depend on how the parameters are partitioned: at "
                                 "another data-parallel size the state is exact but the run takes other steps than "
                                 "it would have at the saved size")
-LION = Family("lion", "Lion", ("exp_avg",), optional=("exp_avg_sq",), unused=("exp_avg_sq",),
+LION = Family("lion", "Lion", ("exp_avg",), optional=("exp_avg_sq",),  # CPU Lion's exp_avg_sq stays all zeros
               marks=("betas",), absent=("eps",),
               not_torch="torch has no Lion optimizer, so no torch training script can load its state")
 
@@ -161,6 +159,8 @@ FAMILIES = (MUON, ADAM, SGD, ADAGRAD, CPU_ADAGRAD, RMSPROP, ADAFACTOR, LION)
 UNKNOWN = Family("unknown", "an optimizer ckptlib does not know", (), steps=True,
                  not_torch="ckptlib does not know this optimizer, so it cannot say which torch optimizer keeps "
                            "the same state")
+
+
 def identify(keys, group: dict) -> Family:
     """The family of one group whose per-element state keys are ``keys`` and whose hyper-parameters are
     ``group`` (its param_groups entry, without ``params``).
@@ -214,14 +214,8 @@ class GroupStates:
         return f"group {self.group} ({(self.name + ': ') if self.name else ''}{self.family.label})"
 
 
-def nonnegative(groups, key: str) -> bool:
-    """Whether state ``key`` cannot be below zero in every group of ``groups`` that keeps it."""
-    holders = [g for g in groups if key in g.key_names]
-    return bool(holders) and all(key in g.family.nonnegative for g in holders)
-
-
 def describe(groups) -> str:
-    """One line naming the optimizer(s) of ``groups``: ``"Muon (3 groups: ...)"``."""
+    """One line naming the optimizer(s) of ``groups``: ``"Muon + Adam/AdamW"``."""
     labels = []
     for g in groups:
         if g.family.label not in labels:
@@ -230,5 +224,4 @@ def describe(groups) -> str:
 
 
 __all__ = ["PARTITIONED", "WHOLE_PARAMS", "MEANINGS", "Family", "FAMILIES", "UNKNOWN", "ADAM", "MUON", "SGD", "ADAGRAD",
-           "CPU_ADAGRAD", "RMSPROP", "ADAFACTOR", "LION", "identify", "StateKey", "GroupStates", "nonnegative",
-           "describe"]
+           "CPU_ADAGRAD", "RMSPROP", "ADAFACTOR", "LION", "identify", "StateKey", "GroupStates", "describe"]
