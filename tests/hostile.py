@@ -57,7 +57,11 @@ def write_consistent(path, offset: int, data: bytes) -> None:
         start = head + 30 + sum(struct.unpack_from("<HH", raw, head + 26))
         if start <= offset < start + size:
             crc = zlib.crc32(bytes(raw[start:start + size]))
-            struct.pack_into("<I", raw, head + 14, crc)
+            if struct.unpack_from("<H", raw, head + 6)[0] & 0x8:  # the CRC-32 follows the data (a data descriptor)
+                struct.pack_into("<I", raw, start + size + (4 if raw[start + size:start + size + 4] == b"PK\x07\x08"
+                                                            else 0), crc)
+            else:
+                struct.pack_into("<I", raw, head + 14, crc)
             struct.pack_into("<I", raw, pos + 16, crc)
             break
         pos += 46 + nlen + xlen + clen

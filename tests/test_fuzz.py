@@ -122,3 +122,85 @@ def test_a_successful_export_of_a_mutated_checkpoint_is_exact(fixture_by_name, t
             shutil.rmtree(out)
         _restore(ckpt, original)
     assert outcomes["refused"] > MUTATIONS // 3 and outcomes["exact"] > 0, outcomes
+
+
+# ============================================================================================ local zip headers
+LOCAL_FIELDS = {"signature": (0, 4), "version": (4, 2), "flags": (6, 2), "method": (8, 2), "time": (10, 2),
+                "date": (12, 2), "crc": (14, 4), "stored size": (18, 4), "size": (22, 4), "name length": (26, 2),
+                "extra length": (28, 2)}
+#: fields no reader uses (a changed one must leave the export exact)
+HARMLESS = {"version", "time", "date"}
+
+
+def _local_headers(path: Path) -> list[tuple[str, int]]:
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        return [(i.filename, i.header_offset) for i in z.infolist()]
+
+
+@pytest.mark.parametrize("name", ["z3_bf16_w2", "z2_bf16_w2"])
+def test_a_damaged_local_zip_header_is_refused_naming_the_file_or_changes_nothing(fixture_by_name, tmp_path, name):
+    """Every field of the local headers of every file kind (model states, optimizer states), changed one at a time
+    by a seeded amount, WITHOUT --verify-crc (the CRC-32 check that used to be the only guard): the export is
+    refused naming the damaged file, or it is byte for byte the undamaged one's (for the fields no reader uses).
+    A changed extra or name length used to move where a member's data was read from: the bool buffer ``mask`` of a
+    ZeRO-3 rank file came out of other bytes (issue 33)."""
+    import struct
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(fixture_by_name(name)["checkpoint_path"], ckpt)
+    tag = ckpt / "global_step2"
+    original = _files(ckpt)
+    ckptlib.export(ckpt, tmp_path / "ref", hf_files=False, states=["exp_avg"])
+    reference = {p.relative_to(tmp_path / "ref"): p.read_bytes() for p in (tmp_path / "ref").rglob("*") if p.is_file()}
+    rng = random.Random(f"{SEED}-local-{name}")
+    files = sorted(tag.glob("*model_states.pt")) + sorted(tag.glob("*optim_states.pt"))
+    seen = {"refused": 0, "exact": 0}
+    for i in range(60):
+        f = rng.choice(files)
+        member, header = rng.choice(_local_headers(f))
+        field = rng.choice(sorted(LOCAL_FIELDS))
+        at, n = LOCAL_FIELDS[field]
+        data = bytearray(original[f])
+        fmt = "<I" if n == 4 else "<H"
+        old = struct.unpack_from(fmt, data, header + at)[0]
+        new = (old + rng.choice([1, 2, 4, 8, 16, 64, -1, -4, -16])) % (1 << (8 * n))
+        struct.pack_into(fmt, data, header + at, new)
+        f.write_bytes(bytes(data))
+        what = f"{f.name} {member} {field} {old} -> {new}"
+        out = tmp_path / f"out{i}"
+        try:
+            ckptlib.export(ckpt, out, hf_files=False, states=["exp_avg"])
+        except CkptError as e:
+            seen["refused"] += 1
+            assert f.name in str(e) or str(f) in str(e), (what, str(e))
+            assert field not in HARMLESS, what
+            assert not out.exists(), what
+        except Exception as e:  # noqa: BLE001 - anything else is a bug
+            raise AssertionError(f"{what}: {type(e).__name__}: {e}") from e
+        else:
+            seen["exact"] += 1
+            got = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+            assert got == reference, f"{what}: an export of a damaged local header differs from the undamaged one's"
+            shutil.rmtree(out)
+        _restore(ckpt, original)
+    assert seen["refused"] > 10, seen  # the rest: fields no reader uses, or CRC-32 and sizes a data descriptor holds
+
+
+def test_the_extra_length_of_a_zero3_rank_files_local_header_is_refused_naming_that_file(fixture_by_name, tmp_path):
+    import struct
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(fixture_by_name("z3_bf16_w2")["checkpoint_path"], ckpt)
+    f = ckpt / "global_step2" / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    data = bytearray(f.read_bytes())
+    for member, header in _local_headers(f):
+        if member.endswith("/data/2") or member.endswith("/data/3"):  # small storages (the buffers among them)
+            old = struct.unpack_from("<H", data, header + 28)[0]
+            struct.pack_into("<H", data, header + 28, old - 4 if old >= 4 else old + 4)
+    f.write_bytes(bytes(data))
+    with pytest.raises(CkptError, match="zero_pp_rank_0_mp_rank_00_model_states.pt") as e:
+        ckptlib.export(ckpt, tmp_path / "out", hf_files=False)
+    assert "damaged local header" in str(e.value)
+    assert not (tmp_path / "out").exists()

@@ -182,8 +182,15 @@ class _ItemFile:
             raise IncompleteCheckpointError(f"no torch.save archive at bytes {self.offset}-{end}", path=self.path)
         members = zipfmt.parse_directory(self.pread(found.size, found.offset + found.shift), found)
         offsets: dict = {}
-        for header, name in sorted((v[0], k) for k, v in members.items()):
-            zipfmt.data_offsets(self.pread(zipfmt.LOCAL_HEADER_SIZE + 512, header), header, [(header, name)], offsets)
+        flags: dict = {}
+        try:
+            for header, name in sorted((v[0], k) for k, v in members.items()):
+                zipfmt.data_offsets(self.pread(zipfmt.LOCAL_HEADER_SIZE + 512, header), header, [(header, name)], offsets,
+                                    members, flags)
+            zipfmt.prove_extents(members, offsets, flags, found.offset + found.shift, lambda at, n: self.pread(n, at))
+        except zipfmt.ZipFormatError as e:
+            raise IncompleteCheckpointError(f"the archive at bytes {self.offset}-{end}: {e}", path=self.path,
+                                            hint="the file is damaged: copy the folder again") from None
         return members, offsets
 
     def close(self):

@@ -96,7 +96,8 @@ def read_pickle(path: str | os.PathLike) -> bytes:
             header = members[pkl[0]][0]
             f.seek(header)
             out: dict = {}
-            zipfmt.data_offsets(f.read(zipfmt.LOCAL_HEADER_SIZE), header, [(header, pkl[0])], out)
+            zipfmt.data_offsets(f.read(zipfmt.LOCAL_HEADER_SIZE + len(pkl[0].encode())), header, [(header, pkl[0])], out,
+                                members)
             f.seek(out[pkl[0]] + 0)
             return f.read(members[pkl[0]][2])
         except zipfmt.ZipFormatError as e:

@@ -238,19 +238,36 @@ class TorchFile:
             found = zipfmt.find_directory(self._pread(n, self.size - n), self.size - n)
         if found is None:
             raise ZipFormatError("no end of central directory record: the file is truncated or not a zip archive")
+        self._directory_at = found.offset + found.shift
         return zipfmt.parse_directory(self._pread(found.size, found.offset + found.shift), found)
 
     def _data_offsets(self, members: dict[str, tuple], pkl: str) -> dict[str, int]:
-        """Where the data of the pickle and of every storage member starts, from their local headers. Headers
-        at most :data:`_NEAR` bytes apart (the empty or tiny storages of ZeRO-3 model files) are read
-        together, one ``pread`` per run."""
+        """Where the data of the pickle and of every storage member starts, from their local headers, each proven
+        against the central directory (:func:`~.zipfmt.data_offsets`, :func:`~.zipfmt.prove_extents`: the name,
+        method, sizes, and the data ending where the next member begins), so that a damaged local header is
+        refused instead of moving a tensor's bytes. Headers at most :data:`_NEAR` bytes apart (the empty or tiny
+        storages of ZeRO-3 model files) are read together, one ``pread`` per run."""
         wanted = sorted((v[0], name) for name, v in members.items())  # every member: its CRC can be checked
         out: dict[str, int] = {}
-        for start, length, headers in zipfmt.header_runs(wanted, _NEAR):
-            try:
-                zipfmt.data_offsets(self._pread(length, start), start, headers, out)
-            except ZipFormatError as e:
-                raise IncompleteCheckpointError(str(e), path=self.path) from None
+        flags: dict[str, int] = {}
+        bufs: list = []
+        try:
+            for start, length, headers in zipfmt.header_runs(wanted, _NEAR):
+                buf = self._pread(length, start)
+                bufs.append((start, buf))
+                zipfmt.data_offsets(buf, start, headers, out, members, flags)
+
+            def read(offset: int, n: int) -> bytes:
+                for start, buf in bufs:
+                    if start <= offset and offset + n <= start + len(buf):
+                        return buf[offset - start:offset - start + n]
+                return self._pread(n, offset)
+
+            zipfmt.prove_extents(members, out, flags, self._directory_at, read)
+        except ZipFormatError as e:
+            raise IncompleteCheckpointError(str(e), path=self.path,
+                                            hint="the file is damaged: copy it again from the original, or use another "
+                                                 "tag") from None
         return out
 
     def _check_byteorder(self) -> None:

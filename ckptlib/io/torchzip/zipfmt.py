@@ -167,8 +167,11 @@ _END64 = struct.Struct("<IQHHIIQQQQ")  # ZIP64 end of central directory record, 
 #: the fields of a central directory entry (46 bytes) that reading needs: signature, flags, method, CRC-32,
 #: stored size, size, lengths of name, extra field and comment, local header offset
 _CENTRAL_FIELDS = struct.Struct("<I4xHH4xIIIHHH8xI")
-#: signature and the name and extra field lengths of a local header (30 bytes)
-_LOCAL_FIELDS = struct.Struct("<I22xHH")
+#: a local header (30 bytes): signature, flags, method, CRC-32, stored size, size, name and extra field lengths
+_LOCAL_FIELDS = struct.Struct("<I2xHH4xIIIHH")
+#: the most a data descriptor takes after a member's data (signature, CRC-32, two 8-byte sizes)
+DESCRIPTOR_MAX = 24
+_DESCRIPTOR_SIG = b"PK\x07\x08"
 #: bytes from the end of an archive that hold its end records when it has no (or a short) comment
 END_SEARCH = _END.size + _END64_LOCATOR.size + _END64.size + 1024
 END_SEARCH_MAX = _END.size + _END64_LOCATOR.size + _END64.size + 0xFFFF
@@ -284,32 +287,92 @@ def _zip64_fields(extra: bytes, size: int, csize: int, off: int) -> tuple[int, i
 
 def header_runs(headers: list[tuple[int, str]], near: int) -> list[tuple[int, int, list]]:
     """How to read the local headers ``(header offset, name)`` (sorted by offset) in few reads: runs of
-    headers at most ``near`` bytes apart, each as ``(start, length, its headers)``."""
+    headers at most ``near`` bytes apart, each as ``(start, length, its headers)``. A run also holds the
+    :data:`DESCRIPTOR_MAX` bytes before its first header (where the member before it ends, with its data
+    descriptor) and the name after its last header."""
     runs, i = [], 0
     while i < len(headers):
         j = i + 1
         while j < len(headers) and headers[j][0] - headers[j - 1][0] <= near:
             j += 1
-        start = headers[i][0]
-        runs.append((start, headers[j - 1][0] + LOCAL_HEADER_SIZE - start, headers[i:j]))
+        start = max(0, headers[i][0] - DESCRIPTOR_MAX)
+        last, name = headers[j - 1]
+        runs.append((start, last + LOCAL_HEADER_SIZE + len(name.encode("utf-8")) - start, headers[i:j]))
         i = j
     return runs
 
 
-def data_offsets(buf: bytes, start: int, headers: list[tuple[int, str]], out: dict[str, int]) -> None:
+def data_offsets(buf: bytes, start: int, headers: list[tuple[int, str]], out: dict[str, int],
+                 members: Optional[dict] = None, flags: Optional[dict] = None) -> None:
     """Where each member's data begins (``out[name]``), from its local header in ``buf`` (the file's bytes
-    from ``start``, one of :func:`header_runs`).
+    from ``start``, one of :func:`header_runs`). With ``members`` (:func:`parse_directory`'s) each local header
+    must agree with the central directory: its name, compression method and, unless the sizes follow the data
+    (flag bit 3, whose flags go to ``flags[name]`` for :func:`prove_extents`), its CRC-32 and sizes.
 
     Raises:
-        ZipFormatError: a header is not there ("bad zip local header for NAME") or ``buf`` ends before it
-        ("truncated zip local header").
+        ZipFormatError: a header is not there ("bad zip local header for NAME"), ``buf`` ends before it
+        ("truncated zip local header"), or it disagrees with the central directory (naming the field).
     """
     unpack, n = _LOCAL_FIELDS.unpack_from, len(buf)
     for header, name in headers:
         pos = header - start
         if pos + LOCAL_HEADER_SIZE > n:
             raise ZipFormatError("truncated zip local header")
-        sig, nlen, xlen = unpack(buf, pos)
+        sig, lflags, method, crc, csize, size, nlen, xlen = unpack(buf, pos)
         if sig != 0x04034B50:
             raise ZipFormatError(f"bad zip local header for {name}")
+        if members is not None:
+            _agrees(name, buf[pos + LOCAL_HEADER_SIZE:pos + LOCAL_HEADER_SIZE + nlen], lflags, method, crc, csize,
+                    size, members[name])
+            if flags is not None:
+                flags[name] = lflags
         out[name] = header + LOCAL_HEADER_SIZE + nlen + xlen
+
+
+def _agrees(name: str, raw: bytes, lflags: int, method: int, crc: int, csize: int, size: int, central: tuple) -> None:
+    """A local header's name, method, CRC-32 and sizes against the member's central directory entry."""
+    try:
+        local = raw.decode("ascii")
+    except UnicodeDecodeError:
+        local = raw.decode("utf-8" if lflags & 0x800 else "cp437", errors="replace")
+    if local != name:
+        raise ZipFormatError(f"the local header of zip entry {name} names {local!r}: a damaged local header")
+    _, ccsize, csize_all, ccrc, cmethod = central
+    if method != cmethod:
+        raise ZipFormatError(f"the local header of zip entry {name} says compression method {method}, the central "
+                             f"directory {cmethod}: a damaged local header")
+    if lflags & 0x8:
+        return  # CRC-32 and sizes follow the data (a data descriptor, checked by prove_extents)
+    want = (ccrc, min(ccsize, 0xFFFFFFFF), min(csize_all, 0xFFFFFFFF))
+    if (csize, size) == (0xFFFFFFFF, 0xFFFFFFFF):  # ZIP64: the sizes are in its extra field
+        want, crc = (ccrc, csize, size), crc
+    if (crc, csize, size) != want:
+        raise ZipFormatError(f"the local header of zip entry {name} records CRC-32 {crc:#x} and sizes {csize}/{size}, "
+                             f"the central directory {want[0]:#x} and {want[1]}/{want[2]}: a damaged local header")
+
+
+def prove_extents(members: dict, offsets: dict, flags: dict, end: int, read) -> None:
+    """Each member's data, where its local header puts it, must end exactly where the next member's local
+    header begins (the last one: the central directory at ``end``), after its data descriptor when its sizes
+    follow the data (flag bit 3: 12 to 24 bytes holding its CRC-32, compared with the central directory's).
+    ``read(offset, n)`` gives ``n`` bytes of the file. Cheap: only the descriptors are read.
+
+    Raises:
+        ZipFormatError: naming the member whose data would be read from another place than it was written to.
+    """
+    order = sorted((v[0], name) for name, v in members.items())
+    for i, (_, name) in enumerate(order):
+        data_end = offsets[name] + members[name][1]
+        nxt = order[i + 1][0] if i + 1 < len(order) else end
+        gap = nxt - data_end
+        if flags.get(name, 0) & 0x8:
+            desc = read(data_end, gap) if 12 <= gap <= DESCRIPTOR_MAX else b""
+            at = 4 if desc[:4] == _DESCRIPTOR_SIG else 0
+            if len(desc) < at + 4 or struct.unpack_from("<I", desc, at)[0] != members[name][3]:
+                raise ZipFormatError(f"zip entry {name}: its data, where its local header puts it, is not followed by "
+                                     "its data descriptor: a damaged local header (its data would be read from "
+                                     "another place)")
+        elif gap != 0:
+            raise ZipFormatError(f"zip entry {name}: its data, where its local header puts it, ends {abs(gap)} bytes "
+                                 f"{'before' if gap > 0 else 'after'} where the next entry begins: a damaged local "
+                                 "header (its data would be read from another place)")
