@@ -110,6 +110,8 @@ def test_a_successful_export_of_a_mutated_checkpoint_is_exact(fixture_by_name, t
         except CkptError as e:
             outcomes["refused"] += 1
             assert e.path or str(ckpt) in str(e), (what, str(e))
+            if changed:  # damage inside one file: the error names that file (the one to restore)
+                assert any(Path(p).name in str(e) for p, _, _ in changed), (what, str(e))
             assert not out.exists(), what
         except Exception as e:  # noqa: BLE001 - anything else is a bug the fuzzing found
             raise AssertionError(f"{what}: {type(e).__name__}: {e}") from e
