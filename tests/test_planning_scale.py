@@ -99,32 +99,45 @@ def _pair(tmp_path: Path) -> tuple[Path, Path]:
     return first, second
 
 
-def _patch_directory_entry(path: Path, member: str, *, size: int = None, name: str = None) -> None:
-    """Change the central directory entry of ``member``: its recorded sizes, or its name (same length)."""
+def _patch_directory_entry(path: Path, member: str, *, size: int = None, name: str = None,
+                           local: bool = False) -> None:
+    """Change the central directory entry of ``member``: its recorded sizes, or its name (same length); with
+    ``local`` its local header too, so that the two agree."""
     data = bytearray(path.read_bytes())
     at = data.index(member.encode(), data.index(b"PK\x01\x02")) - 46
     assert data[at:at + 4] == b"PK\x01\x02"
-    if size is not None:
-        data[at + 20:at + 28] = struct.pack("<II", size, size)
-    if name is not None:
-        assert len(name) == len(member)
-        data[at + 46:at + 46 + len(name)] = name.encode()
+    entries = [(at, 20, 46)]
+    if local:
+        here = data.index(member.encode()) - 30
+        assert data[here:here + 4] == b"PK\x03\x04"
+        entries.append((here, 18, 30))
+    for start, sizes, names in entries:
+        if size is not None:
+            data[start + sizes:start + sizes + 8] = struct.pack("<II", size, size)
+        if name is not None:
+            assert len(name) == len(member)
+            data[start + names:start + names + len(name)] = name.encode()
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("damage, message", [({"size": 8}, "fewer than its 10 elements"),
-                                             ({"name": "x/data/7"}, "storage 0 is missing")])
+@pytest.mark.parametrize("damage, message", [
+    ({"size": 8}, "local header of zip entry x/data/0 records"),
+    ({"name": "x/data/7"}, "local header of zip entry x/data/7 names"),
+    ({"size": 8, "local": True}, "x/data/0: its data, where its local header puts it, ends 32 bytes before"),
+    ({"name": "x/data/7", "local": True}, "storage 0 is missing")])
 def test_a_repeated_pickle_is_checked_against_its_own_zip_directory(tmp_path, damage, message):
+    """A file whose pickle the memo already holds is still checked against its own zip: the same refusal, naming
+    it, as without the memo (damage to the directory alone, or to the directory and local header alike)."""
     first, second = _pair(tmp_path)
     _patch_directory_entry(second, "x/data/0", **damage)
-    with pytest.raises(IncompleteCheckpointError, match=message):
+    with pytest.raises(IncompleteCheckpointError, match=message) as alone:
         open_torch_file(second)  # without the memo
     memo = PickleMemo()
     TorchFile(first, memo=memo).close()
     assert memo.held > 0
-    with pytest.raises(IncompleteCheckpointError, match=message) as e:
+    with pytest.raises(IncompleteCheckpointError) as e:
         TorchFile(second, memo=memo)
-    assert str(second) in str(e.value)
+    assert str(e.value) == str(alone.value) and str(second) in str(e.value)
 
 
 def test_the_headers_of_many_empty_storages_cost_one_read(tmp_path):
