@@ -100,6 +100,16 @@ def only_fixtures(predicate):
     return deco
 
 
+# ----------------------------------------------------------------------------------------------- order
+# The NVMe tests need DeepSpeed's async_io op, which scripts/test.sh builds in the background (about 20
+# CPU-minutes, once) while the other tests run: they go last, so the build overlaps the rest of the suite.
+LAST = ("tests/test_nvme.py",)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    items.sort(key=lambda item: item.nodeid.split("::")[0] in LAST)  # stable: the order within each part stays
+
+
 # ----------------------------------------------------------------------------------------------- exit
 # Native threads that torch, gloo and the browser/Jupyter stack leave behind can make the interpreter abort
 # while it tears down ("terminate called without an active exception", exit 134) after every test passed and
