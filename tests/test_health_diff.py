@@ -201,7 +201,8 @@ def test_a_changed_16_bit_weight_in_the_model_file_is_found(fixture_by_name, tmp
     assert code == 1 and len(problems) == 1, problems
     p = problems[0]
     assert p["tensor"] == "fc2.weight" and p["file"].endswith("mp_rank_00_model_states.pt")
-    assert "bfloat16 weight differs from the fp32 master" in p["what"] and "at 1 of" in p["what"]
+    assert "bfloat16 weight differs from the fp32 master (in global_step2/bf16_zero_pp_rank_" in p["what"]
+    assert "at 1 of" in p["what"] and "one of the two files is damaged" in p["what"]  # both files named
 
 
 def test_a_negative_exp_avg_sq_is_found(fixture_by_name, tmp_path):

@@ -230,10 +230,11 @@ class _Scanner:
                 if lowp is not None:
                     _, y = next(lowp)
                     if self._mismatches(x, dtype, y, item.lowp_dtype):
-                        for where, a, b in _by_file(lowp_index, s, x.size):
-                            bad = self._mismatches(x[a:b], dtype, y[a:b], item.lowp_dtype)
-                            if bad:
-                                mismatched[where] = mismatched.get(where, 0) + bad
+                        for where, a, b in _by_file(lowp_index, s, x.size):  # name both files: either is damaged
+                            for master, c, d in _by_file(index, s + a, b - a):
+                                bad = self._mismatches(x[a + c:a + d], dtype, y[a + c:a + d], item.lowp_dtype)
+                                if bad:
+                                    mismatched[where, master] = mismatched.get((where, master), 0) + bad
                 self.progress(x.size * x.itemsize + (x.size * itemsize(item.lowp_dtype) if lowp else 0))
         finally:
             windows.close()
@@ -245,10 +246,11 @@ class _Scanner:
                                         f"{stats.total:,}) in this file's part of the tensor"))
             if neg:
                 problems.append(Problem(item.key, self.label(path), f"{neg} values below zero: {item.never_negative}"))
-        for path, bad in mismatched.items():
+        for (path, master), bad in mismatched.items():
             problems.append(Problem(item.key, self.label(path),
-                                    f"the saved {item.lowp_dtype} weight differs from the fp32 master cast to "
-                                    f"{item.lowp_dtype} at {bad:,} of {stats.total:,} elements"))
+                                    f"the saved {item.lowp_dtype} weight differs from the fp32 master (in "
+                                    f"{self.label(master)}) cast to {item.lowp_dtype} at {bad:,} of "
+                                    f"{stats.total:,} elements: one of the two files is damaged"))
         for what, first, copy in item.replicas:
             problems += self._replica(item.key, what, first, copy)
         return stats.result(item.key, item.kind, item.dtype, item.shape, sorted({self.label(r.path)
@@ -285,8 +287,10 @@ class _Scanner:
         differ = {p: n for p, n in differ.items() if n}
         out = [Problem(key, self.label(p), f"{nan} NaN and {inf} Inf values (of {b.numel:,}) in this file's copy "
                        f"of the tensor ({what})") for p, (nan, inf) in bad.items()]
-        out += [Problem(key, self.label(p), f"this file's copy differs from the first ({what}) at {n:,} of "
-                        f"{b.numel:,} elements: those ranks hold different values") for p, n in differ.items()]
+        origin = self.label(getattr(next((r for r in first if hasattr(r, "path")), None), "path", ""))
+        out += [Problem(key, self.label(p), f"this file's copy differs from the first ({what}, in {origin}) at "
+                        f"{n:,} of {b.numel:,} elements: those ranks hold different values")
+                for p, n in differ.items()]
         return out
 
     def _mismatches(self, x, x_dtype: str, y, y_dtype: str) -> int:

@@ -193,6 +193,7 @@ def build_zero3(rec: Records, fs: OpenedFiles, model: dict, model_files: list[Fi
     # every rank's model file holds its chunk of each frozen parameter; ties are those rank 0 records. Each
     # file is opened (and so checked); its object tree is only looked at when there are frozen parameters
     by_rank: dict[int, dict] = {}
+    file_of = {f.dp_rank: f for f in model_files if f.dp_rank is not None}
     for f in model_files:
         tf = fs.get(f)
         if frozen_shapes and tf is not None and f.dp_rank is not None and isinstance(tf.obj, dict):
@@ -204,7 +205,10 @@ def build_zero3(rec: Records, fs: OpenedFiles, model: dict, model_files: list[Fi
         if all(isinstance(c, TensorHandle) for c in chunks):
             rec.index.frozen[name] = chunks
         else:
-            rec.problems.append(f"frozen parameter {name}: chunks missing on some ranks")
+            lacking = [r for r, c in enumerate(chunks) if not isinstance(c, TensorHandle)]
+            files = [file_of[r].relpath if r in file_of else f"(no model-states file of rank {r})" for r in lacking]
+            rec.problems.append(f"frozen parameter {name}: its chunk is missing from {', '.join(files[:4])}"
+                                + (f" and {len(files) - 4} more" if len(files) > 4 else ""))
     if autoep_trainable is not None:
         shared = dict(shared or {}, **autoep.router_aliases(autoep.layers_of(model), rec.index.module,
                                                              rec.index.alias_proofs))

@@ -156,10 +156,11 @@ def stage_modules(fs: OpenedFiles, models: dict, optims: dict, problems: list, t
             missing += [b for b in models[s].get("buffer_names") or [] if b not in mod]
             if missing:
                 layer = _layer_of(missing[0])
-                file = fnames.layer_states_name(layer, tp if tensor_axis else None) if layer is not None else "a layer file"
+                file = (fnames.layer_states_name(layer, tp if tensor_axis else None) if layer is not None
+                        else "the tied layer's file")
                 problems.append(f"stage {s}, {where}no layer file holds {', '.join(missing[:4])}"
                                 + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
-                                + f" ({file} is missing)")
+                                + f" ({file} is missing or damaged)")
     claimed = {n for mod in modules.values() for n in mod}
     for idx, _, info in layers:
         if not set(entries[idx]) & claimed:

@@ -203,13 +203,25 @@ def compare_copies(plan: Plan, cancel: Any = None, chunk_bytes: Optional[int] = 
             c, at = next(((c, at) for c, at in zip(group, found) if at is not None), (None, None))
             if c is not None:
                 proof = " master" in c.what  # a value proof (ZeRO-0's unnamed optimizer entries)
+                files = [f for f in (_file_at(c.a, at), _file_at(c.b, at)) if f]
+                where = f" ({' and '.join(dict.fromkeys(files))})" if files else ""
                 raise IncompleteCheckpointError(
-                    f"{c.what} differ (first at element {at})" + (
+                    f"{c.what}{where} differ (first at element {at})" + (
                         ": the optimizer entry is not this parameter, and which one it is cannot be proven; nothing "
                         "was written" if proof else " although the checkpoint says they are one tensor stored on "
                         "several ranks; ckptlib does not pick one"), path=plan.source.tag_dir,
                     hint="a file is damaged or from another run: restore it from a copy" if not proof else
                     "re-save the checkpoint with ZeRO-1 or later (which records names), or report it")
+
+
+def _file_at(ranges, element: int) -> str:
+    """The name of the file holding element ``element`` of a tensor stored as ``ranges`` ("" in zeros)."""
+    pos = 0
+    for r in ranges:
+        if element < pos + r.count:
+            return Path(r.path).name if hasattr(r, "path") else ""
+        pos += r.count
+    return ""
 
 
 def finished(plan: Plan, seconds: float, read: int, memory: Optional[MemoryReport]) -> RunResult:
