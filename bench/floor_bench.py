@@ -118,18 +118,160 @@ def copy_floor(out: Path, copy: Path):
     return check_ok(run(["sh", "-c", 'cp -r "$1" "$2" && sync', "sh", str(out), str(copy)]), f"cp -r {out}")
 
 
-def peaks(mine: list, theirs: Optional[list]) -> str:
-    """The largest peak anonymous memory (RssAnon, the process tree for DeepSpeed's tools) over the rounds."""
-    ours = mib(max(s.peak_anon for s in mine))
-    done = [s for s in theirs or [] if s is not None]
-    return f"{ours} / {mib(max(s.peak_anon for s in done))}" if done else ours
-
-
 def _error_line(stderr: str) -> str:
     """The exception line of a traceback (else the last line), shortened."""
     lines = [line.strip() for line in stderr.splitlines() if line.strip()]
     errors = [line for line in lines if re.match(r"^[\w.]+(Error|Exception)\b", line)]
     return ((errors or lines or ["?"])[-1])[:100]
+
+
+def measure(checkpoints: list, convs: list, rounds: int, work: Path, before: Optional[Path] = None,
+            no_anchors: bool = False, env_before: Optional[dict] = None) -> tuple[list, dict]:
+    """The run: per checkpoint and round, the import baselines, every conversion of ``convs`` that applies (each
+    followed by its copy floor; and again from ``before``'s tree when given), then DeepSpeed's tools.
+
+    Returns ``(results, baselines)``: per checkpoint ``{"checkpoint": Path, "info": sizes, "convs": [...]}``,
+    each conversion ``{"conv": Conversion, "label", "runs": [RunStats], "floors": [RunStats], "before": [...],
+    "anchor": Anchor key or None, "ds": [RunStats or None], "failed": error line or None, "out_bytes"}``;
+    ``baselines``: ``{"export"|"analysis": [RunStats]}`` (a process that only imports, per round)."""
+    base = {k: [] for k in ("export", "analysis")}
+    results = []
+    for checkpoint in checkpoints:
+        info = info_of(checkpoint)
+        mine = [c for c in convs if c.applies(info)]
+        anchors = [] if no_anchors else sorted({c.anchor for c in mine if c.anchor})
+        res = {c.label: [] for c in mine}
+        befores = {c.label: [] for c in mine}  # the same conversions from --before SRC
+        floors = {c.label: [] for c in mine if c.writes}
+        ds = {a: [] for a in anchors}
+        failed = {}
+        out_bytes = {}
+        source = checkpoint / (checkpoint / "latest").read_text().strip()
+        for r in range(rounds):
+            for k in base:
+                settle()
+                base[k].append(baseline(k, sleep=0))
+            for c in mine:  # ckptlib first: diff compares with this round's export
+                out = work / f"{checkpoint.name}" / c.label.replace(" ", "_").replace("/", "_")
+                if c.label == "export":
+                    out = work / checkpoint.name / "export"
+                shutil.rmtree(out, ignore_errors=True)
+                out.parent.mkdir(parents=True, exist_ok=True)
+                settle(source)
+                st = check_ok(run(ckpt(*c.args(checkpoint, out, info), "-q")), f"ckpt {c.label}", (0,))
+                res[c.label].append(st)
+                note = ""
+                if c.writes:
+                    fl = copy_floor(out, work / "floor-copy")
+                    floors[c.label].append(fl)
+                    out_bytes[c.label] = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+                    note = f", floor {fl.wall:.2f} s (CPU {fl.cpu:.2f} s; {st.wall / fl.wall:.2f}x)"
+                    shutil.rmtree(work / "floor-copy", ignore_errors=True)
+                    if c.label != "export":
+                        shutil.rmtree(out, ignore_errors=True)
+                print(f"  {checkpoint.name} round {r + 1} ckpt {label(c, info)}: {st.wall:.2f} s (CPU {st.cpu:.2f} s)"
+                      f"{note}, "
+                      f"read {mib(st.rchar)}", flush=True)
+                if before:  # right after, into the same output folder (diff reads this round's export)
+                    shutil.rmtree(out, ignore_errors=True)
+                    settle(source)
+                    sb = check_ok(run(ckpt(*c.args(checkpoint, out, info), "-q"), env=env_before),
+                                  f"ckpt {c.label} (before)", (0,))
+                    befores[c.label].append(sb)
+                    if c.writes and c.label != "export":
+                        shutil.rmtree(out, ignore_errors=True)
+                    print(f"  {checkpoint.name} round {r + 1} ckpt {label(c, info)} (before): {sb.wall:.2f} s"
+                          f" (CPU {sb.cpu:.2f} s)", flush=True)
+            exported = work / checkpoint.name / "export"
+            for a in anchors:
+                out = work / checkpoint.name / f"ds-{a}"
+                shutil.rmtree(out, ignore_errors=True)
+                out.mkdir(parents=True)
+                settle(source)
+                st = run(ANCHORS[a].command(checkpoint, out, exported), tree=True)
+                shutil.rmtree(out, ignore_errors=True)
+                if st.returncode not in ANCHORS[a].ok_codes:  # DeepSpeed's tool fails on this checkpoint
+                    ds[a].append(None)
+                    failed[a] = _error_line(st.stderr)
+                    print(f"  {checkpoint.name} round {r + 1} {ANCHORS[a].label}: FAILED: {failed[a]}", flush=True)
+                    continue
+                ds[a].append(st)
+                print(f"  {checkpoint.name} round {r + 1} {ANCHORS[a].label}: {st.wall:.2f} s", flush=True)
+            shutil.rmtree(work / checkpoint.name / "export", ignore_errors=True)
+        results.append({"checkpoint": checkpoint, "info": info, "convs": [
+            {"conv": c, "label": label(c, info), "runs": res[c.label], "floors": floors.get(c.label, []),
+             "before": befores[c.label], "anchor": c.anchor if c.anchor in ds else None,
+             "ds": ds.get(c.anchor, []), "failed": failed.get(c.anchor), "out_bytes": out_bytes.get(c.label)}
+            for c in mine]})
+    return results, base
+
+
+def med(runs: list, key: str = "wall") -> float:
+    """The median of ``key`` over ``runs`` (RunStats)."""
+    return statistics.median(getattr(s, key) for s in runs)
+
+
+def figures(result: dict, base: dict) -> list[dict]:
+    """The medians of one checkpoint's conversions (``result``: an item of :func:`measure`'s results): per
+    conversion ``label``, ``writes``, ``wall``, ``cpu``, ``out_bytes``, ``floor`` (None for read-only
+    commands), ``anchor`` (its label, or None), ``ds_wall`` (None when not run or failed), ``failed`` (the
+    tool's error line), ``peak`` and ``ds_peak`` (largest peak RssAnon over the rounds, the tool's over its
+    process tree), ``rate`` (bytes read per second after start-up: read/pread/copy_file_range bytes and wall
+    time, both less the import baseline's), ``startup`` (the import baseline's wall time), ``before``."""
+    b_an = {k: (med(v), med(v, "rchar")) for k, v in base.items()}
+    out = []
+    for c in result["convs"]:
+        runs, conv = c["runs"], c["conv"]
+        wall = med(runs)
+        bw, br = b_an["export" if conv.writes else "analysis"]
+        done = [s for s in c["ds"] if s is not None]
+        out.append({"label": c["label"], "writes": conv.writes, "wall": wall, "cpu": med(runs, "cpu"),
+                    "out_bytes": c["out_bytes"], "floor": med(c["floors"]) if c["floors"] else None,
+                    "anchor_key": conv.anchor, "anchor": ANCHORS[conv.anchor].label if conv.anchor else None,
+                    "ran_anchor": c["anchor"] is not None, "failed": c["failed"],
+                    "ds_wall": med(done) if done and not c["failed"] else None,
+                    "peak": max(s.peak_anon for s in runs), "ds_peak": max(s.peak_anon for s in done) if done else None,
+                    "rate": (med(runs, "rchar") - br) / max(wall - bw, 1e-3), "startup": bw,
+                    "before": {"wall": med(c["before"]), "cpu": med(c["before"], "cpu")} if c["before"] else None})
+    return out
+
+
+def rows(name: str, figs: list[dict], before: Optional[Path] = None) -> list[list]:
+    """The rows of this script's table for one checkpoint's :func:`figures`."""
+    out = []
+    export_rate = next((f["rate"] for f in figs if f["label"] == "export"), None)
+    for f in figs:
+        vs_ds = ""
+        if f["anchor"] is None or not f["ran_anchor"]:
+            anchor = "none" if f["anchor"] is None else "not run"
+        elif f["failed"]:
+            anchor = f"{f['anchor']}: fails ({f['failed']})"
+        else:
+            anchor = f"{f['anchor']}: {f['ds_wall']:.2f} s"
+            vs_ds = f"{f['wall'] / f['ds_wall']:.2f}x"
+        peak = mib(f["peak"]) + (f" / {mib(f['ds_peak'])}" if f["ds_peak"] else "")
+        if f["writes"]:
+            verdict = "yes" if f["wall"] <= GOAL * f["floor"] else "**no**"
+            out.append([name, f["label"], f"{f['wall']:.2f} s", f"{f['cpu']:.2f} s", mib(f["out_bytes"]),
+                        f"{f['floor']:.2f} s", f"**{f['wall'] / f['floor']:.2f}x**", verdict, anchor, vs_ds,
+                        f"{f['rate'] / 2**20:.0f} MiB/s", peak])
+        else:
+            vs = f" ({f['rate'] / export_rate:.2f}x export's)" if export_rate else ""
+            out.append([name, f["label"], f"{f['wall']:.2f} s", f"{f['cpu']:.2f} s", "", "", "", "", anchor, vs_ds,
+                        f"{f['rate'] / 2**20:.0f} MiB/s{vs}", peak])
+    for f in figs:
+        if f["before"]:
+            ratio = f"**{f['before']['wall'] / f['floor']:.2f}x**" if f["writes"] else ""
+            out.append([name, f"{f['label']} (before: {before})", f"{f['before']['wall']:.2f} s",
+                        f"{f['before']['cpu']:.2f} s", "", "", ratio, "", "", "", "", ""])
+    return out
+
+
+def select(only: Optional[list]) -> list:
+    """The conversions ``--only`` names: a label picks itself; another word picks the conversions it starts."""
+    labels = {c.label for c in CONVERSIONS}
+    return [c for c in CONVERSIONS if not only or c.label in only
+            or (c.label.split()[0] in only and c.label.split()[0] not in labels)]
 
 
 def main() -> int:
@@ -138,111 +280,15 @@ def main() -> int:
     ap.add_argument("--no-anchors", action="store_true", help="leave out DeepSpeed's tools (ckpt and floors only)")
     args = ap.parse_args()
     bytecode_as_installed(args.before)
-    labels = {c.label for c in CONVERSIONS}  # a label picks itself; another word picks the conversions it starts
-    convs = [c for c in CONVERSIONS if not args.only or c.label in args.only
-             or (c.label.split()[0] in args.only and c.label.split()[0] not in labels)]
-    raw, lines = {}, []
     with work_folder(args, "ckptlib-floor-") as work:
-        base = {k: [] for k in ("export", "analysis")}
-        for checkpoint in args.checkpoints:
-            info = info_of(checkpoint)
-            mine = [c for c in convs if c.applies(info)]
-            anchors = [] if args.no_anchors else sorted({c.anchor for c in mine if c.anchor})
-            res = {c.label: [] for c in mine}
-            before = {c.label: [] for c in mine} if args.before else {}  # the same conversions from --before SRC
-            floors = {c.label: [] for c in mine if c.writes}
-            ds = {a: [] for a in anchors}
-            failed = {}
-            out_bytes = {}
-            source = checkpoint / (checkpoint / "latest").read_text().strip()
-            for r in range(args.rounds):
-                for k in base:
-                    settle()
-                    base[k].append(baseline(k, sleep=0))
-                for c in mine:  # ckptlib first: diff compares with this round's export
-                    out = work / f"{checkpoint.name}" / c.label.replace(" ", "_").replace("/", "_")
-                    if c.label == "export":
-                        out = work / checkpoint.name / "export"
-                    shutil.rmtree(out, ignore_errors=True)
-                    out.parent.mkdir(parents=True, exist_ok=True)
-                    settle(source)
-                    st = check_ok(run(ckpt(*c.args(checkpoint, out, info), "-q")), f"ckpt {c.label}", (0,))
-                    res[c.label].append(st)
-                    note = ""
-                    if c.writes:
-                        fl = copy_floor(out, work / "floor-copy")
-                        floors[c.label].append(fl)
-                        out_bytes[c.label] = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-                        note = f", floor {fl.wall:.2f} s (CPU {fl.cpu:.2f} s; {st.wall / fl.wall:.2f}x)"
-                        shutil.rmtree(work / "floor-copy", ignore_errors=True)
-                        if c.label != "export":
-                            shutil.rmtree(out, ignore_errors=True)
-                    print(f"  {checkpoint.name} round {r + 1} ckpt {label(c, info)}: {st.wall:.2f} s (CPU {st.cpu:.2f} s)"
-                          f"{note}, "
-                          f"read {mib(st.rchar)}", flush=True)
-                    if args.before:  # right after, into the same output folder (diff reads this round's export)
-                        shutil.rmtree(out, ignore_errors=True)
-                        settle(source)
-                        sb = check_ok(run(ckpt(*c.args(checkpoint, out, info), "-q"), env=before_env(args)),
-                                      f"ckpt {c.label} (before)", (0,))
-                        before[c.label].append(sb)
-                        if c.writes and c.label != "export":
-                            shutil.rmtree(out, ignore_errors=True)
-                        print(f"  {checkpoint.name} round {r + 1} ckpt {label(c, info)} (before): {sb.wall:.2f} s"
-                              f" (CPU {sb.cpu:.2f} s)", flush=True)
-                exported = work / checkpoint.name / "export"
-                for a in anchors:
-                    out = work / checkpoint.name / f"ds-{a}"
-                    shutil.rmtree(out, ignore_errors=True)
-                    out.mkdir(parents=True)
-                    settle(source)
-                    st = run(ANCHORS[a].command(checkpoint, out, exported), tree=True)
-                    shutil.rmtree(out, ignore_errors=True)
-                    if st.returncode not in ANCHORS[a].ok_codes:  # DeepSpeed's tool fails on this checkpoint
-                        ds[a].append(None)
-                        failed[a] = _error_line(st.stderr)
-                        print(f"  {checkpoint.name} round {r + 1} {ANCHORS[a].label}: FAILED: {failed[a]}", flush=True)
-                        continue
-                    ds[a].append(st)
-                    print(f"  {checkpoint.name} round {r + 1} {ANCHORS[a].label}: {st.wall:.2f} s", flush=True)
-                shutil.rmtree(work / checkpoint.name / "export", ignore_errors=True)
-            med = lambda runs, key="wall": statistics.median(getattr(s, key) for s in runs)  # noqa: E731
-            export_rate = None
-            b_an = {k: (med(v), med(v, "rchar")) for k, v in base.items()}
-            rows = []
-            for c in mine:
-                wall = med(res[c.label])
-                vs_ds = ""
-                if c.anchor is None or c.anchor not in ds:
-                    anchor = "none" if c.anchor is None else "not run"
-                elif c.anchor in failed:
-                    anchor = f"{ANCHORS[c.anchor].label}: fails ({failed[c.anchor]})"
-                else:
-                    anchor = f"{ANCHORS[c.anchor].label}: {med(ds[c.anchor]):.2f} s"
-                    vs_ds = f"{wall / med(ds[c.anchor]):.2f}x"
-                bw, br = b_an["export" if c.writes else "analysis"]
-                rate = (med(res[c.label], "rchar") - br) / max(wall - bw, 1e-3)
-                if c.label == "export":
-                    export_rate = rate
-                if c.writes:
-                    floor = med(floors[c.label])
-                    verdict = "yes" if wall <= GOAL * floor else "**no**"
-                    rows.append([checkpoint.name, label(c, info), f"{wall:.2f} s", f"{med(res[c.label], 'cpu'):.2f} s",
-                                 mib(out_bytes[c.label]), f"{floor:.2f} s", f"**{wall / floor:.2f}x**", verdict, anchor, vs_ds,
-                                 f"{rate / 2**20:.0f} MiB/s", peaks(res[c.label], ds.get(c.anchor))])
-                else:
-                    vs = f" ({rate / export_rate:.2f}x export's)" if export_rate else ""
-                    rows.append([checkpoint.name, label(c, info), f"{wall:.2f} s", f"{med(res[c.label], 'cpu'):.2f} s",
-                                 "", "", "", "", anchor, vs_ds,
-                                 f"{rate / 2**20:.0f} MiB/s{vs}", peaks(res[c.label], ds.get(c.anchor))])
-            for c in mine:
-                if before.get(c.label):
-                    wall = med(before[c.label])
-                    ratio = f"**{wall / med(floors[c.label]):.2f}x**" if c.writes else ""
-                    rows.append([checkpoint.name, f"{label(c, info)} (before: {args.before})", f"{wall:.2f} s",
-                                 f"{med(before[c.label], 'cpu'):.2f} s", "", "", ratio, "", "", "", "", ""])
-            lines += rows
-            raw[checkpoint.name] = {"info": info, "rows": rows}
+        results, base = measure(args.checkpoints, select(args.only), args.rounds, work, before=args.before,
+                                no_anchors=args.no_anchors, env_before=before_env(args))
+    lines, raw = [], {}
+    for result in results:
+        name = result["checkpoint"].name
+        rws = rows(name, figures(result, base), args.before)
+        lines += rws
+        raw[name] = {"info": result["info"], "rows": rws}
     print()
     print("import baselines (median): " + ", ".join(f"{k} {statistics.median(s.wall for s in v):.2f} s"
                                                      for k, v in base.items()))

@@ -3,7 +3,7 @@
 Run under torchrun, e.g. (about 1 GB of fp32 weights, 4 ranks, ZeRO-2, bf16):
 
     DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node 4 bench/make_checkpoint.py \
-        --out .bench-work/z2_bf16_w4 --stage 2 --dtype bf16 --hidden 2048 --layers 56 --vocab 32000
+        --out .bench-work/z2_bf16_w4 --stage 2 --dtype bf16 --hidden 2048 --layers 32 --vocab 32000
 
 The model is an embedding, ``layers`` square Linear layers and a head; one AdamW step, then save.
 """

@@ -21,6 +21,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -122,16 +123,16 @@ def load(fx: dict, mesh: dict, ckpt_dir: Path, universal: bool, work: Path, name
     return run_mesh_loads([job], world, work / f"load-{name}")[name]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", nargs="+", default=None)
-    ap.add_argument("--work", type=Path, default=None)
-    args = ap.parse_args()
+HEADER = ["case", "route", "conversion wall", "peak RssAnon", "temporary disk", "at the new mesh"]
+
+
+def run_cases(only: Optional[list], work: Path) -> list[tuple]:
+    """Every case of :data:`CASES` (or those ``only`` names), both routes, in ``work``: one row of
+    :data:`HEADER` per case and route."""
     fxs = fixtures()
-    work = args.work or Path(tempfile.mkdtemp(prefix="ckptlib-mesh-route-"))
     rows = []
     for label, (name, mesh, extra) in CASES.items():
-        if args.only and label not in args.only:
+        if only and label not in only:
             continue
         fx = fxs[name]
         case = work / label.replace(" ", "_").replace(">", "").replace(",", "")
@@ -157,8 +158,18 @@ def main() -> int:
             rows.append((label, who, f"{conv['wall']:.1f} s" if conv["ok"] else "-", f"{conv['anon'] / MIB:.0f} MiB",
                          f"{conv['temp'] / MIB:.1f} MiB", what))
             print(" | ".join(map(str, rows[-1])), flush=True)
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", nargs="+", default=None)
+    ap.add_argument("--work", type=Path, default=None)
+    args = ap.parse_args()
+    work = args.work or Path(tempfile.mkdtemp(prefix="ckptlib-mesh-route-"))
+    rows = run_cases(args.only, work)
     print()
-    print(table(["case", "route", "conversion wall", "peak RssAnon", "temporary disk", "at the new mesh"], rows))
+    print(table(HEADER, rows))
     if args.work is None:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -341,7 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _one_blas_thread() -> None:
     """ckpt never multiplies matrices: numpy's OpenBLAS (loaded for casts) gets one thread unless told otherwise,
-    which saves its ~41 MiB of buffers per further thread (the memory floor of a cast export; docs/benchmarks.md)."""
+    which saves its ~41 MiB of buffers per further thread (the memory floor of a cast export,
+    tests/test_memory_floor.py; the measurement is in docs/benchmarks.md's git history)."""
     if "numpy" not in sys.modules:
         os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 

@@ -17,7 +17,8 @@ from typing import Optional
 from .torchzip.zipfmt import crc32_combine
 
 # write(2) in pieces of this size: on the machine measured, writing 3.5 GiB into the page cache in
-# 16 MiB calls took 3.7x the system time of 1 MiB calls (bench/write_path.py, docs/benchmarks.md)
+# 16 MiB calls took 3.7x the system time of 1 MiB calls (bench/write_path.py; the run is in the git history
+# of docs/benchmarks.md)
 WRITE_SLICE = 2**20
 
 
