@@ -152,7 +152,8 @@ def test_diff_of_the_source_and_its_export_is_all_same_and_exit_0(fixture_by_nam
     assert cli.main(["diff", str(src), str(out), "--states", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     rows = d["tensors"]
-    assert len(rows) == 17 + 2 * 11 and all(r["status"] == "same" for r in rows), [r for r in rows if r["status"] != "same"]
+    assert len(rows) == 17 + 3 * 11 and all(r["status"] == "same" for r in rows), [r for r in rows if r["status"] != "same"]
+    assert sum(r["name"].startswith("step/") for r in rows) == 11  # and the step of each trainable parameter
     assert cli.main(["inspect", str(out)]) == 0
     assert f"({layout} layout)" in capsys.readouterr().out
 

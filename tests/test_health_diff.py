@@ -419,3 +419,31 @@ def test_diff_marks_tied_aliases_and_leaves_unknown_norms_null(fixture_by_name):
     assert all(t["norm_a"] > 0 for t in report["tensors"] if t["status"] == "changed")
     code, text = _cli("diff", a, b)
     assert "tied alias of embed.weight" in next(line for line in text.splitlines() if " head.weight " in line)
+
+
+@pytest.mark.parametrize("name", ["z2_bf16_w3", "z3_bf16_w2"])
+def test_the_optimizer_step_is_compared_naming_the_parameter(fixture_by_name, tmp_path, name):
+    """With --states, each trainable parameter's optimizer step is compared too (issue 32: a universal folder
+    whose step.pt was changed used to be reported as all same): against ckptlib's universal output, an export's
+    recorded step and a DCP export, and a changed step.pt is found, naming the parameter."""
+    src = fixture_by_name(name)["checkpoint_path"]
+    with ckptlib.open_checkpoint(src) as ck:
+        trainable = {p.name for p in ck.parameters if p.trainable and not p.tied_to}
+        step = ck.optimizer.step
+    outs = {"universal": ckptlib.write_universal(ckptlib.plan_universal(src, tmp_path / "universal")).out,
+            "export": ckptlib.export(src, tmp_path / "export", states=["all"]).out,
+            "dcp": ckptlib.export(src, tmp_path / "dcp", format="dcp", dcp={"optimizer": True}).out}
+    for what, out in outs.items():
+        result = ckptlib.diff(src, out, states=True)
+        steps = {t.key[len("step/"):]: t for t in result.tensors if t.key.startswith("step/")}
+        assert set(steps) == trainable and result.ok, (what, sorted(steps), result.summary())
+        assert all(t.status == "same" and t.numel == 1 and t.max_abs_diff == 0 for t in steps.values()), what
+    files = sorted(Path(outs["universal"]).rglob("step.pt"))
+    victim = files[len(files) // 2]
+    torch.save(torch.tensor(float(step) - 1), victim)  # what the issue did: step.pt changed to 1
+    code, text = _cli("diff", src, outs["universal"], "--states", "--json")
+    report = _strict_json(text)
+    changed = [t for t in report["tensors"] if t["status"] != "same"]
+    assert code == 1 and [t["name"] for t in changed] == [f"step/{victim.parent.name}"], changed
+    assert changed[0]["max_abs_diff"] == 1.0
+    assert ckptlib.diff(src, outs["universal"]).ok  # without --states: the weights alone, all the same

@@ -8,6 +8,8 @@ The jobs of one world size share one launch.
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -370,7 +372,11 @@ def test_an_moe_universal_checkpoint_is_verified_and_diffed_under_global_expert_
     ckptlib.write_universal(plan)
     assert ckptlib.verify(plan).ok
     code, out, err = _cli("diff", fx["checkpoint_path"], tmp_path / "u", "--states")
-    assert code == 0 and "67 same, 0 changed" in out, out + err
+    assert code == 0 and "89 same, 0 changed" in out, out + err  # 67 tensors and the steps of 22 parameters
+    code, out, err = _cli("diff", fx["checkpoint_path"], tmp_path / "u", "--states", "--json")
+    steps = [t for t in json.loads(out)["tensors"] if t["name"].startswith("step/")]
+    assert len(steps) == 22 and {f"step/moe.deepspeed_moe.experts.deepspeed_experts.{g}.fc1.bias" for g in range(4)} \
+        <= {t["name"] for t in steps}  # each global expert's step, from its stacked step.pt
     zero = tmp_path / "u" / plan.universal_tag / "zero"
     a, b = (zero / f"moe.deepspeed_moe.experts.deepspeed_experts.{i}.fc1.bias" / "fp32.pt" for i in (0, 1))
     held = a.read_bytes()

@@ -62,10 +62,13 @@ class DiffPlan:
     rtol: float = 0.0
     states: bool = False
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    #: with states: ``(parameter, step in A, step in B)`` for each parameter whose step both sides record
+    steps: list = field(default_factory=list)
+    step_notes: list = field(default_factory=list)
 
     @property
     def notes(self) -> list:
-        return [f"A: {n}" for n in self.a.notes] + [f"B: {n}" for n in self.b.notes]
+        return [f"A: {n}" for n in self.a.notes] + [f"B: {n}" for n in self.b.notes] + self.step_notes
 
     @property
     def read_bytes(self) -> int:
@@ -80,6 +83,7 @@ class DiffPlan:
         lines = [f"diff A: {self.a.label}", f"     B: {self.b.label}",
                  f"{len(self.items)} names: {both} compared, {sum(1 for i in self.items if i.b is None)} only in A, "
                  f"{sum(1 for i in self.items if i.a is None)} only in B"
+                 + (f"; and the optimizer steps of {len(self.steps)} parameters" if self.steps else "")
                  + ("" if self.states else "; optimizer states left out (--states compares them too)"),
                  "same when " + ("bit-for-bit equal in fp32 (integers exactly)" if not (self.atol or self.rtol)
                                  else f"|a - b| <= {self.atol:g} + {self.rtol:g} * |b| everywhere"),
@@ -224,8 +228,25 @@ def plan_diff(a: Union[TensorSet, str, os.PathLike, Any], b: Union[TensorSet, st
     sb = open_tensor_set(b, tag=tag_b, states=states, tp_rules=tp_rules)
     items = [DiffItem(k, t, sb.tensors.get(k)) for k, t in sa.tensors.items()]
     items += [DiffItem(k, None, t) for k, t in sb.tensors.items() if k not in sa.tensors]
+    steps, step_notes = _step_pairs(sa, sb) if states else ([], [])
     return DiffPlan(a=sa, b=sb, items=items, atol=float(atol), rtol=float(rtol), states=states,
-                    chunk_bytes=chunk_bytes)
+                    chunk_bytes=chunk_bytes, steps=steps, step_notes=step_notes)
+
+
+def _step_pairs(sa: TensorSet, sb: TensorSet) -> tuple[list, list]:
+    """The optimizer steps both sides record, by parameter, and notes on those only one side records."""
+    a, b = sa.steps or {}, sb.steps or {}
+    pairs = [(name, a[name], b[name]) for name in a if name in b]
+    notes = []
+    for side, mine, other, label in (("A", a, b, sa.label), ("B", b, a, sb.label)):
+        if not mine and other:
+            notes.append(f"{side} ({label}) records no optimizer step: steps are not compared")
+        elif mine and other:
+            alone = [n for n in mine if n not in other]
+            if alone:
+                notes.append(f"only {side} records the step of {', '.join(alone[:3])}"
+                             + (f" and {len(alone) - 3} more" if len(alone) > 3 else "") + ": not compared")
+    return pairs, notes
 
 
 # ============================================================================================ running
@@ -246,6 +267,16 @@ def _compare(item: DiffItem, cmp: Comparer, atol: float, rtol: float) -> TensorD
     # identical bytes are passed over without summing ||a||: its norm is then not known (null), not 0.0
     out.norm_a, out.norm_diff = (None if d.skipped else math.sqrt(d.sumsq_a)), math.sqrt(d.sumsq_diff)
     return out
+
+
+def _compare_step(name: str, a: float, b: float) -> TensorDiff:
+    """The optimizer step of ``name`` on both sides, as a one-element ``step/<name>`` entry: equal or not
+    (a step is a count: no tolerance applies)."""
+    same = a == b or (math.isnan(a) and math.isnan(b))
+    gap = 0.0 if same else abs(a - b)
+    return TensorDiff(f"step/{name}", SAME if same else CHANGED, dtype_a="step", dtype_b="step", shape_a=(),
+                      shape_b=(), numel=1, changed=0 if same else 1, max_abs_diff=gap,
+                      rel_diff=(gap / abs(a)) if a else (0.0 if same else math.inf), norm_a=abs(a), norm_diff=gap)
 
 
 def diff(a: Union[DiffPlan, TensorSet, str, os.PathLike, Any], b: Union[TensorSet, str, os.PathLike, Any, None] = None,
@@ -280,6 +311,7 @@ def diff(a: Union[DiffPlan, TensorSet, str, os.PathLike, Any], b: Union[TensorSe
                     for item in plan.items:
                         observer.on_tensor(item.key)
                         tensors.append(_compare(item, cmp, plan.atol, plan.rtol))
+                    tensors += [_compare_step(*pair) for pair in plan.steps]
                 finally:
                     cmp.close()
                 read = files.stats.bytes_read

@@ -26,6 +26,7 @@ import json
 import math
 import os
 import re
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
@@ -34,7 +35,7 @@ from ..dcp import is_dcp, open_dcp
 from ..deepspeed import Checkpoint, open_checkpoint
 from ..deepspeed.discovery import detect
 from ..deepspeed.files import LAYER_STATES, classify
-from ..dtypes import Shaped, itemsize
+from ..dtypes import Shaped, decode_scalar, itemsize
 from ..errors import CkptError, IncompleteCheckpointError, NotACheckpointError
 from ..io.sources import stamp
 from ..io.stformat import read_header
@@ -67,7 +68,8 @@ class NamedTensor(Shaped):
 @dataclass
 class TensorSet:
     """A readable set of named tensors (plain data): ``kind`` (``checkpoint``, ``export``, ``universal``),
-    where it is, the tensors in order, and a ``(path, size, mtime_ns)`` stamp of every file read."""
+    where it is, the tensors in order, a ``(path, size, mtime_ns)`` stamp of every file read and, opened
+    with the optimizer states, the ``steps`` it records per parameter."""
 
     kind: str
     path: str
@@ -75,6 +77,8 @@ class TensorSet:
     tensors: dict
     stamps: tuple = ()
     notes: list = field(default_factory=list)
+    #: with states: each trainable parameter's optimizer step, by name (None: the set records no step)
+    steps: Optional[dict] = None
 
     @property
     def total_bytes(self) -> int:
@@ -124,6 +128,34 @@ def checkpoint_tensors(ck: Checkpoint, states: bool = False, notes: Optional[lis
     return out
 
 
+def checkpoint_steps(ck: Checkpoint) -> Optional[dict]:
+    """``{parameter: step}`` of each trainable parameter whose optimizer group counts steps (None: no optimizer)."""
+    if not ck.optimizer:
+        return None
+    out = {}
+    for p in ck.parameters:
+        if p.trainable and not p.tied_to:
+            gs = ck.state_group(p.name)
+            if gs is not None and gs.step is not None:
+                out[p.name] = float(gs.step)
+    return out
+
+
+def _scalar(ranges) -> Optional[float]:
+    """The value of a one-element tensor stored at ``ranges`` (reads its few bytes), or None."""
+    stored = [r for r in ranges if hasattr(r, "path")]
+    if len(stored) != 1 or stored[0].count != 1 or len(ranges) != 1:
+        return None
+    r = stored[0]
+    with open(r.path, "rb") as f:
+        f.seek(r.offset)
+        raw = f.read(itemsize(r.dtype))
+    try:
+        return float(decode_scalar(raw, r.dtype))
+    except (ValueError, struct.error):
+        return None
+
+
 # ============================================================================================ export
 def weight_files(folder: Path) -> list[Path]:
     """The weight files of an exported folder: those its index names, else the single file, else the
@@ -170,7 +202,9 @@ def file_tensors(path: Path, state: Optional[str] = None) -> list[NamedTensor]:
             for k, h in obj.items() if isinstance(h, TensorHandle)]
 
 
-def export_tensors(folder: Path, states: bool = False) -> tuple[dict, list[Path]]:
+def export_tensors(folder: Path, states: bool = False, steps: Optional[dict] = None) -> tuple[dict, list[Path]]:
+    """The tensors of an export folder; with ``states`` its ``<key>/`` sub-folders too, and the step their
+    safetensors metadata record put in ``steps`` by parameter name."""
     tensors: dict = {}
     files = weight_files(folder)
     for f in files:
@@ -180,16 +214,31 @@ def export_tensors(folder: Path, states: bool = False) -> tuple[dict, list[Path]
         for sub in sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")):
             found = weight_files(sub)
             for f in found:
+                step = _recorded_step(f)
                 for t in file_tensors(f, state=sub.name):
                     _add(tensors, t, os.fspath(f))
+                    if step is not None and steps is not None:
+                        steps.setdefault(t.name, step)
             files += found
     return tensors, files
 
 
+def _recorded_step(path: Path) -> Optional[float]:
+    """The ``step`` an export's state file records in its safetensors metadata, or None."""
+    if path.suffix != ".safetensors":
+        return None
+    try:
+        meta, _ = read_header(path)
+        return float(meta["step"]) if meta and "step" in meta else None
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 # ============================================================================================ DCP
-def dcp_tensors(path: Path, states: bool = False) -> tuple[dict, tuple, str]:
+def dcp_tensors(path: Path, states: bool = False, steps: Optional[dict] = None) -> tuple[dict, tuple, str]:
     """The tensors of a DCP checkpoint (metadata and each chunk's archive header): the model's under their
-    FQNs, with ``states`` each per-element optimizer state as ``<key>/<name>`` (steps are not per element)."""
+    FQNs, with ``states`` each per-element optimizer state as ``<key>/<name>``, and each parameter's step (not
+    per element) put in ``steps``."""
     d = open_dcp(path)
     out: dict = {}
     for name, t in d.model.items():
@@ -197,6 +246,9 @@ def dcp_tensors(path: Path, states: bool = False) -> tuple[dict, tuple, str]:
     if states:
         for (name, key), t in d.states.items():
             if t.shape == () and key == "step":
+                value = _scalar(tuple(d.sources(t)))
+                if value is not None and steps is not None:
+                    steps[name] = value
                 continue
             out[f"{key}/{name}"] = NamedTensor(f"{key}/{name}", t.dtype, t.shape, tuple(d.sources(t)), key)
     return out, d.stamps(), d.layout
@@ -278,7 +330,9 @@ def _unstacked(local: str, h: TensorHandle, ep: int, model: dict, path: Path) ->
              tuple(h.ranges(e * n, n))) for e in range(ep)]
 
 
-def universal_tensors(folder: Path, states: bool = False) -> tuple[dict, list[Path]]:
+def universal_tensors(folder: Path, states: bool = False, steps: Optional[dict] = None) -> tuple[dict, list[Path]]:
+    """The tensors of a universal folder (``zero/<parameter>/fp32.pt``, with ``states`` the other keys), and
+    with ``states`` each parameter's ``step.pt`` put in ``steps``."""
     model = _model_states(folder) or {}
     shapes: dict = {}
     for group in model.get("param_shapes") or []:
@@ -287,8 +341,19 @@ def universal_tensors(folder: Path, states: bool = False) -> tuple[dict, list[Pa
     files, params = [], {}
     zero = folder / "zero"
     for d in sorted(p for p in zero.iterdir() if p.is_dir()):
+        named = [d.name]  # the parameter names this folder holds (experts: one per expert-parallel rank)
         for f in sorted(d.glob("*.pt")):
             key = f.stem
+            if key == "step" and states and steps is not None:
+                with open_torch_file(f) as tf:
+                    obj = tf.obj.get("param") if isinstance(tf.obj, dict) else tf.obj
+                value = float(obj) if isinstance(obj, (int, float)) and not isinstance(obj, bool) else \
+                    _scalar(tuple(obj.ranges())) if isinstance(obj, TensorHandle) else None
+                if value is None:
+                    raise CkptError("this step file holds no number", path=f)
+                files.append(f)
+                steps.update({n: value for n in named})
+                continue
             if key == "step" or (key != "fp32" and not states):
                 continue
             with open_torch_file(f) as tf:
@@ -300,7 +365,9 @@ def universal_tensors(folder: Path, states: bool = False) -> tuple[dict, list[Pa
             state = None if key == "fp32" else key
             files.append(f)
             if stacked:  # experts of one local id, one per expert-parallel rank, under their global names
-                for name, ranges in _unstacked(d.name, obj, stacked, model, f):
+                unstacked = _unstacked(d.name, obj, stacked, model, f)
+                named[:] = [name for name, _ in unstacked]
+                for name, ranges in unstacked:
                     params[f"{key}/{name}" if state else name] = NamedTensor(
                         f"{key}/{name}" if state else name, obj.dtype_name, tuple(obj.shape[1:]), ranges, state)
                 continue
@@ -347,7 +414,9 @@ def open_tensor_set(source: Union[str, os.PathLike, Checkpoint, TensorSet], tag:
     if isinstance(source, Checkpoint):
         tensors = checkpoint_tensors(source, states, notes)
         return TensorSet(CHECKPOINT, os.fspath(source.location.tag_dir), f"checkpoint {source.location.tag_dir}",
-                         tensors, tuple(stamp(os.fspath(f.path)) for f in source.files), notes)
+                         tensors, tuple(stamp(os.fspath(f.path)) for f in source.files), notes,
+                         checkpoint_steps(source) if states else None)
+    steps: Optional[dict] = {} if states else None
     path = Path(source).expanduser()
     if not path.exists():
         raise NotACheckpointError("no such file or folder", path=path)
@@ -356,18 +425,19 @@ def open_tensor_set(source: Union[str, os.PathLike, Checkpoint, TensorSet], tag:
         tensors = {t.key: t for t in file_tensors(path)}
         return TensorSet(EXPORT, os.fspath(path), f"weights file {path}", tensors, (stamp(os.fspath(path)),), notes)
     if is_dcp(path):
-        tensors, stamps, layout = dcp_tensors(path, states)
-        return TensorSet(DCP, os.fspath(path), f"DCP checkpoint ({layout} layout) {path}", tensors, stamps, notes)
+        tensors, stamps, layout = dcp_tensors(path, states, steps)
+        return TensorSet(DCP, os.fspath(path), f"DCP checkpoint ({layout} layout) {path}", tensors, stamps, notes,
+                         steps or None)
     uni = universal_folder(path, tag) if path.is_dir() else None
     if uni is not None:
-        tensors, files = universal_tensors(uni, states)
+        tensors, files = universal_tensors(uni, states, steps)
         return TensorSet(UNIVERSAL, os.fspath(uni), f"universal checkpoint {uni}", tensors,
-                         tuple(stamp(os.fspath(f)) for f in files), notes)
+                         tuple(stamp(os.fspath(f)) for f in files), notes, steps or None)
     kind = detect(path).kind if path.is_dir() else "file"
     if kind == "folder" and weight_files(path):
-        tensors, files = export_tensors(path, states)
+        tensors, files = export_tensors(path, states, steps)
         return TensorSet(EXPORT, os.fspath(path), f"export {path}", tensors,
-                         tuple(stamp(os.fspath(f)) for f in files), notes)
+                         tuple(stamp(os.fspath(f)) for f in files), notes, steps or None)
     if path.is_dir() and kind != "folder" and weight_files(path):
         notes.append(f"{path} also holds exported weights; the DeepSpeed checkpoint is used")
     try:
@@ -383,6 +453,6 @@ def open_tensor_set(source: Union[str, os.PathLike, Checkpoint, TensorSet], tag:
     return ts
 
 
-__all__ = ["NamedTensor", "TensorSet", "open_tensor_set", "checkpoint_tensors", "export_tensors",
+__all__ = ["NamedTensor", "TensorSet", "open_tensor_set", "checkpoint_tensors", "checkpoint_steps", "export_tensors",
            "universal_tensors", "dcp_tensors", "weight_files", "file_tensors", "universal_folder", "CHECKPOINT",
            "EXPORT", "UNIVERSAL", "DCP"]
