@@ -87,6 +87,12 @@ def optim_fixtures() -> dict:
 
 
 @pytest.fixture(scope="session")
+def peft_fixtures() -> dict:
+    """LoRA / DoRA adapters trained through the HF Trainer + DeepSpeed (tests/fixtures/peft)."""
+    return _family("tests.fixtures.peft.factory")
+
+
+@pytest.fixture(scope="session")
 def autoep_fixtures() -> dict:
     """AutoEP checkpoints (tests/fixtures/autoep)."""
     return _family("tests.fixtures.autoep.factory")

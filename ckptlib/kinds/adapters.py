@@ -1,0 +1,201 @@
+"""What a peft adapter is, as a DeepSpeed checkpoint and peft's own files show it: the one table every command reads.
+
+A run that trains a peft adapter (LoRA, DoRA, ...) through the HF Trainer gives DeepSpeed the ``PeftModel``: its
+checkpoint keeps the PeftModel's parameter names, and with ``exclude_frozen_parameters=True`` (the Trainer's choice
+for every PEFT model) only the trainable ones, i.e. the adapter. peft saves the same tensors in
+``adapter_model.safetensors`` under other names, and describes them in ``adapter_config.json``.
+
+Names (peft 0.21, adapter ``default``; ``<m>`` a targeted module's path, ``<s>`` a module of ``modules_to_save``):
+
+==================================================  =========================================  ===========
+PeftModel (DeepSpeed)                               peft's file                                kind
+==================================================  =========================================  ===========
+``<m>.lora_A.default.weight``                       ``<m>.lora_A.weight``                      lora_A
+``<m>.lora_B.default.weight`` (``.bias``)           ``<m>.lora_B.weight`` (``.bias``)          lora_B
+``<m>.lora_embedding_A.default``                    ``<m>.lora_embedding_A``                   lora_embedding_A
+``<m>.lora_embedding_B.default``                    ``<m>.lora_embedding_B``                   lora_embedding_B
+``<m>.lora_magnitude_vector.default.weight``        ``<m>.lora_magnitude_vector``              DoRA magnitude
+``<s>.modules_to_save.default.<p>``                 ``<s>.<p>``                                modules_to_save
+``<m>.base_layer.bias`` (``bias`` not ``"none"``)   the same                                   bias
+==================================================  =========================================  ===========
+
+(every name starts ``base_model.model.``). ``<s>.original_module.<p>`` is the frozen copy peft keeps and never
+saves. :func:`saved_name` maps one name, :func:`adapter_names` a whole checkpoint (or refuses, with the reason);
+:func:`parse_config` reads ``adapter_config.json`` (a dict) into an :class:`AdapterConfig`, refusing what ckptlib
+cannot place. Plain data and pure functions.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+from ..errors import CkptError
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PREFIX = "base_model.model."
+#: the files peft writes beside the adapter that a copy keeps (the tokenizer ones come from the model's list)
+README = "README.md"
+
+LORA_A, LORA_B, EMB_A, EMB_B, MAGNITUDE, MODULES_TO_SAVE, BIAS = (
+    "lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "DoRA magnitude", "modules_to_save", "bias")
+_LORA = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)"
+                   r"\.(?P<adapter>[^.]+)(?P<rest>(\.[^.]+)*)$")
+_SAVED = re.compile(r"^(?P<module>.+)\.modules_to_save\.(?P<adapter>[^.]+)\.(?P<rest>.+)$")
+_KIND = {"lora_A": LORA_A, "lora_B": LORA_B, "lora_embedding_A": EMB_A, "lora_embedding_B": EMB_B,
+         "lora_magnitude_vector": MAGNITUDE}
+#: peft types ckptlib places: LoRA and its variants (rsLoRA, DoRA) keep the tensors of the table above
+PLACED_TYPES = ("LORA",)
+#: LoRA options that change what is saved, or where, beyond the table (refused where set)
+_UNPLACED_OPTIONS = {
+    "layer_replication": "layer_replication shares base layers between model layers, so the names of the adapter "
+                         "do not follow the model's",
+    "target_parameters": "target_parameters adapts nn.Parameters directly (ParamWrapper), saved under names ckptlib "
+                         "has not checked",
+    "trainable_token_indices": "trainable_token_indices keeps token deltas (trainable_tokens_delta) ckptlib has not "
+                               "checked",
+    "use_qalora": "QALoRA pools its inputs, a weight layout ckptlib has not checked",
+    "use_bdlora": "BD-LoRA keeps block-diagonal factors ckptlib has not checked",
+    "arrow_config": "Arrow routes between several adapters, kept under names ckptlib has not checked",
+    "alora_invocation_tokens": "aLoRA's activation is kept outside the weights ckptlib places",
+}
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """What ``adapter_config.json`` says about the weights.
+
+    Attributes:
+        peft_type: peft's ``peft_type`` (``"LORA"``); ``method``: how users know it (``"LoRA"``, ``"rsLoRA"``,
+            ``"DoRA"``, ``"DoRA + rsLoRA"``).
+        r, alpha: the rank and ``lora_alpha``; ``scaling``: what B @ A is multiplied by (alpha / r, or
+            alpha / sqrt(r) with rsLoRA) where no ``rank_pattern`` / ``alpha_pattern`` entry says otherwise.
+        target_modules: a list of module names, or a regex (a string), as the config has it.
+        modules_to_save: the modules trained and saved whole (``lm_head`` ...).
+        bias: ``"none"``, ``"all"`` or ``"lora_only"``; use_rslora, use_dora as the config says.
+        patterns: whether ``rank_pattern`` or ``alpha_pattern`` give some modules their own r or alpha.
+        raw: the parsed JSON, as it was.
+    """
+
+    peft_type: str
+    method: str
+    r: int
+    alpha: float
+    scaling: float
+    target_modules: object
+    modules_to_save: tuple
+    bias: str
+    use_rslora: bool
+    use_dora: bool
+    patterns: bool
+    raw: dict
+
+    def describe(self) -> str:
+        targets = self.target_modules if isinstance(self.target_modules, str) else ", ".join(self.target_modules)
+        return (f"{self.method} r={self.r} alpha={self.alpha:g} (scaling {self.scaling:g}"
+                + (", per-module patterns" if self.patterns else "") + f") on {targets or 'no module'}"
+                + (f"; modules_to_save: {', '.join(self.modules_to_save)}" if self.modules_to_save else ""))
+
+
+def parse_config(config: dict, source: str = CONFIG_FILE) -> AdapterConfig:
+    """``adapter_config.json`` (parsed) as an :class:`AdapterConfig`.
+
+    Raises:
+        CkptError: a peft type or option whose weights ckptlib cannot place, naming it and why; a config without
+            ``r`` or ``lora_alpha``."""
+    if not isinstance(config, dict):
+        raise CkptError(f"{source} holds no JSON object", path=source)
+    peft_type = str(config.get("peft_type", ""))
+    if peft_type not in PLACED_TYPES:
+        raise CkptError(f"{source} says peft_type {peft_type or '(none)'!r}: ckptlib places the weights of LoRA "
+                        "adapters only (lora_A/B, lora_embedding_A/B, DoRA's magnitude, modules_to_save, bias); "
+                        f"{peft_type or 'this type'} keeps tensors ckptlib has not checked", path=source,
+                        hint="export the full model layout instead (--no-adapter)")
+    for key, why in _UNPLACED_OPTIONS.items():
+        if config.get(key):
+            raise CkptError(f"{source} sets {key}: {why}", path=source,
+                            hint="export the full model layout instead (--no-adapter)")
+    try:
+        r, alpha = int(config["r"]), float(config["lora_alpha"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CkptError(f"{source}: no valid r / lora_alpha ({e})", path=source) from None
+    rslora, dora = bool(config.get("use_rslora")), bool(config.get("use_dora"))
+    method = " + ".join(m for m, on in (("DoRA", dora), ("rsLoRA", rslora)) if on) or "LoRA"
+    targets = config.get("target_modules") or []
+    targets = targets if isinstance(targets, str) else sorted(targets)
+    return AdapterConfig(peft_type=peft_type, method=method, r=r, alpha=alpha,
+                         scaling=alpha / (math.sqrt(r) if rslora else r), target_modules=targets,
+                         modules_to_save=tuple(config.get("modules_to_save") or ()),
+                         bias=str(config.get("bias") or "none"), use_rslora=rslora, use_dora=dora,
+                         patterns=bool(config.get("rank_pattern") or config.get("alpha_pattern")), raw=config)
+
+
+def split(name: str) -> Optional[tuple[str, str, str]]:
+    """``(kind, adapter name, peft's saved name)`` of one PeftModel parameter name, or None when it is no
+    adapter tensor (a base weight, ``original_module``, a bias: see :func:`saved_name`)."""
+    m = _SAVED.match(name)
+    if m and ".original_module." not in name:
+        return MODULES_TO_SAVE, m["adapter"], f"{m['module']}.{m['rest']}"
+    m = _LORA.match(name)
+    if m:
+        part, rest = m["part"], m["rest"]
+        if part == "lora_magnitude_vector" and rest == ".weight":
+            rest = ""  # peft saves the magnitude without its ".weight"
+        return _KIND[part], m["adapter"], f"{m['module']}.{part}{rest}"
+    return None
+
+
+def saved_name(name: str, config: Optional[AdapterConfig] = None) -> tuple[str, str]:
+    """``(kind, peft's saved name)`` of a trainable PeftModel parameter.
+
+    Raises:
+        CkptError: a tensor peft would not save with this config (not an adapter tensor, nor a bias the config's
+            ``bias`` saves), naming it."""
+    got = split(name)
+    if got:
+        return got[0], got[2]
+    if name.endswith(".bias") and config is not None and config.bias != "none":
+        return BIAS, name
+    raise CkptError(f"the trainable tensor {name} is no adapter tensor peft saves (not lora_A/B, "
+                    "lora_embedding_A/B, lora_magnitude_vector or modules_to_save"
+                    + ("" if config is None else f"; the config's bias is {config.bias!r}") + ")",
+                    hint="export the full model layout instead (--no-adapter)")
+
+
+def looks_like_adapter(names) -> bool:
+    """Whether parameter names are a PeftModel's with an adapter among them (every one under ``base_model.model.``
+    and one at least an adapter tensor)."""
+    names = list(names)
+    return bool(names) and all(n.startswith(PREFIX) for n in names) and any(split(n) for n in names)
+
+
+def adapter_names(trainable, config: Optional[AdapterConfig] = None) -> dict[str, tuple[str, str]]:
+    """``{PeftModel name: (kind, peft's saved name)}`` of a checkpoint's trainable parameters.
+
+    Raises:
+        CkptError: a tensor peft would not save, several adapters (peft saves one a folder), or two names that
+            would be saved as one."""
+    out = {n: saved_name(n, config) for n in trainable}
+    adapters = sorted({s[1] for s in map(split, out) if s})
+    if len(adapters) > 1:
+        raise CkptError(f"the checkpoint trains {len(adapters)} adapters ({', '.join(adapters)}): peft saves one "
+                        "adapter a folder", hint="export the full model layout instead (--no-adapter)")
+    seen: dict[str, str] = {}
+    for n, (_, s) in out.items():
+        if s in seen:
+            raise CkptError(f"{seen[s]} and {n} would both be saved as {s}")
+        seen[s] = n
+    return out
+
+
+def counts(mapping: dict[str, tuple[str, str]]) -> dict[str, int]:
+    """``{kind: number of tensors}`` in the order of the table."""
+    order = (LORA_A, LORA_B, EMB_A, EMB_B, MAGNITUDE, MODULES_TO_SAVE, BIAS)
+    found = [k for k, _ in mapping.values()]
+    return {k: found.count(k) for k in order if k in found}
+
+
+__all__ = ["AdapterConfig", "parse_config", "split", "saved_name", "looks_like_adapter", "adapter_names", "counts",
+           "CONFIG_FILE", "WEIGHTS_FILE", "PREFIX", "README"]

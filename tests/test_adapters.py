@@ -1,0 +1,65 @@
+"""peft adapters (issue 31): the vocabulary (ckptlib/kinds/adapters.py) on the real Trainer + DeepSpeed runs of
+tests/fixtures/peft, inspect, and ``export --adapter`` loaded by peft itself."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ckptlib.errors import CkptError
+from ckptlib.kinds import adapters as A
+
+torch = pytest.importorskip("torch")
+
+
+def _reference(fx):
+    return torch.load(fx["reference_paths"][-1], weights_only=False)
+
+
+def _config(fx):
+    return A.parse_config(json.loads((fx["checkpoint_path"] / A.CONFIG_FILE).read_text()))
+
+
+def test_names_map_as_peft_saves_them(peft_fixtures):
+    """Every fixture: the mapping of the PeftModel's (DeepSpeed's) names is peft's own get_peft_model_state_dict's."""
+    assert len(peft_fixtures) == 9
+    for fx in peft_fixtures.values():
+        ref = _reference(fx)
+        mapping = A.adapter_names(ref["fp32"], _config(fx))
+        assert {s for _, s in mapping.values()} == set(ref["peft_fp32"]), fx["name"]
+        for name, (_, saved) in mapping.items():
+            assert torch.equal(ref["fp32"][name], ref["peft_fp32"][saved]), (fx["name"], name)
+        assert A.looks_like_adapter(ref["fp32"]) and not A.looks_like_adapter(ref["frozen"])
+
+
+def test_config_methods(peft_fixtures):
+    methods = {fx["method"]: _config(fx) for fx in peft_fixtures.values()}
+    assert methods["lora-qv"].describe() == "LoRA r=4 alpha=8 (scaling 2) on q_proj, v_proj"
+    assert methods["lora-all"].method == "rsLoRA" and methods["lora-all"].modules_to_save == ("lm_head",)
+    assert abs(methods["lora-all"].scaling - 16 / 8 ** 0.5) < 1e-12
+    assert methods["dora"].method == "DoRA" and methods["dora"].use_dora
+
+
+def test_saved_names_of_every_kind():
+    p = "base_model.model.model."
+    assert A.split(p + "embed_tokens.lora_embedding_A.default") == (A.EMB_A, "default", p + "embed_tokens.lora_embedding_A")
+    assert A.split(p + "layers.0.q_proj.lora_B.default.bias") == (A.LORA_B, "default", p + "layers.0.q_proj.lora_B.bias")
+    assert A.split(p + "layers.0.q_proj.lora_magnitude_vector.default.weight")[2] == \
+        p + "layers.0.q_proj.lora_magnitude_vector"
+    assert A.split("base_model.model.score.modules_to_save.default.weight") == \
+        (A.MODULES_TO_SAVE, "default", "base_model.model.score.weight")
+    assert A.split("base_model.model.score.original_module.weight") is None
+    assert A.split(p + "layers.0.q_proj.base_layer.weight") is None
+    cfg = A.parse_config({"peft_type": "LORA", "r": 2, "lora_alpha": 4, "bias": "all"})
+    assert A.saved_name(p + "layers.0.q_proj.base_layer.bias", cfg) == (A.BIAS, p + "layers.0.q_proj.base_layer.bias")
+
+
+def test_refusals_say_why():
+    with pytest.raises(CkptError, match="IA3.*LoRA adapters only"):
+        A.parse_config({"peft_type": "IA3"})
+    with pytest.raises(CkptError, match="layer_replication"):
+        A.parse_config({"peft_type": "LORA", "r": 2, "lora_alpha": 4, "layer_replication": [[0, 1]]})
+    with pytest.raises(CkptError, match="no adapter tensor peft saves"):
+        A.saved_name("base_model.model.model.norm.weight", A.parse_config({"peft_type": "LORA", "r": 2, "lora_alpha": 4}))
+    with pytest.raises(CkptError, match="2 adapters"):
+        A.adapter_names(["base_model.model.q.lora_A.default.weight", "base_model.model.q.lora_A.other.weight"])
