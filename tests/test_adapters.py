@@ -63,3 +63,61 @@ def test_refusals_say_why():
         A.saved_name("base_model.model.model.norm.weight", A.parse_config({"peft_type": "LORA", "r": 2, "lora_alpha": 4}))
     with pytest.raises(CkptError, match="2 adapters"):
         A.adapter_names(["base_model.model.q.lora_A.default.weight", "base_model.model.q.lora_A.other.weight"])
+
+
+# ------------------------------------------------------------------------------------------------ inspect
+def _copy(fx, tmp_path):
+    import shutil
+
+    dst = tmp_path / "checkpoint-4"
+    shutil.copytree(fx["checkpoint_path"], dst)
+    return dst
+
+
+def _inspect(path):
+    import ckptlib
+    from ckptlib.analysis.summary import describe, format_text
+
+    ck = ckptlib.open_checkpoint(path)
+    return describe(ck), format_text(ck)
+
+
+def test_inspect_names_the_adapter_and_the_16bit_file(peft_fixtures):
+    """Every fixture: method, r, alpha, targets, modules_to_save, counts, base weights not in the checkpoint; the
+    Trainer's (transformers 5.24) adapter file is the 16-bit copy of the masters."""
+    for fx in peft_fixtures.values():
+        d, text = _inspect(fx["checkpoint_path"])
+        a = d["adapter"]
+        cfg = fx and _config(fx)
+        assert (a["method"], a["r"], a["alpha"]) == (cfg.method, cfg.r, cfg.alpha), fx["name"]
+        assert a["modules_to_save"] == (["lm_head"] if fx["method"] == "lora-all" else [])
+        assert a["tensors"] == len(_reference(fx)["fp32"]) and not a["base_in_checkpoint"]
+        assert a["weights_file"]["status"] == "16-bit copy of the masters", (fx["name"], a["weights_file"])
+        assert f"adapter     peft {cfg.method}: r={cfg.r}" in text and "16-BIT COPY OF THE MASTERS" in text
+        assert "base weights: not in the checkpoint" in text
+
+
+def test_inspect_flags_an_empty_or_different_adapter_file(peft_fixtures, tmp_path):
+    """The empty file of transformers 4.x at ZeRO-3 (no tensor; or 0-element tensors, a script's save_pretrained),
+    an fp32 file equal to the masters, and one that differs, are each reported for what they are; the file is read
+    as safetensors."""
+    from safetensors.torch import save_file
+
+    fx = peft_fixtures["peft_lora_qv_z3_nogather"]
+    ck = _copy(fx, tmp_path)
+    ref = _reference(fx)
+    target = ck / A.WEIGHTS_FILE
+    save_file({}, target, metadata={"format": "pt"})
+    assert target.stat().st_size <= 48
+    d, text = _inspect(ck)
+    assert d["adapter"]["weights_file"]["status"] == "empty" and "EMPTY; no tensor" in text
+    save_file({k: torch.empty(0, dtype=torch.bfloat16) for k in ref["peft_fp32"]}, target)
+    assert _inspect(ck)[0]["adapter"]["weights_file"]["status"] == "empty"
+    save_file(ref["peft_fp32"], target)
+    assert _inspect(ck)[0]["adapter"]["weights_file"]["status"] == "the fp32 masters"
+    changed = dict(ref["peft_fp32"])
+    first = sorted(changed)[0]
+    changed[first] = changed[first] + 1
+    save_file(changed, target)
+    f = _inspect(ck)[0]["adapter"]["weights_file"]
+    assert f["status"] == "different" and first in f["detail"]

@@ -14,6 +14,7 @@ from ..dtypes import BY_NAME
 from ..kinds.optimizers import PARTITIONED, WHOLE_PARAMS
 from ..kinds.optimizers import describe as describe_families
 from ..units import human_bytes
+from .adapter import adapter_lines, describe_adapter
 
 
 def all_problems(ckpt: Checkpoint) -> list[str]:
@@ -77,6 +78,7 @@ def describe(ckpt: Checkpoint) -> dict[str, Any]:
                         "mp_rank": f.mp_rank}, **ckpt.coordinates(f)) for f in ckpt.files],
         "total_bytes": ckpt.total_bytes,
         "bytes_read": ckpt.stats.bytes_read,
+        "adapter": describe_adapter(ckpt) if not ckpt.refusals else None,
         "problems": all_problems(ckpt),
         "cannot_read": list(ckpt.refusals),
         "notes": list(ckpt.notes),
@@ -154,6 +156,7 @@ def format_text(ckpt: Checkpoint) -> str:
     lines.append(f"parameters  {len(ckpt.parameters)} tensors, {d['parameter_count']:,} elements "
                  f"({d['trainable_count']:,} trainable; {n_frozen} frozen tensors, {n_tied} tied aliases)")
     lines.append(f"buffers     {len(ckpt.buffers)}")
+    lines += adapter_lines(d["adapter"])
     lines.append("")
     lines.append(f"files in {loc.tag}/ ({len(ckpt.files)} files, {human_bytes(ckpt.total_bytes)}):")
     width = max((len(f.relpath) for f in ckpt.files), default=10)

@@ -139,6 +139,13 @@ def model_files(save_dir: Path) -> tuple[list[SideFile], Optional[Path]]:
     folder = config_folder(save_dir)
     if folder is None:
         return [], None
+    return model_side_files(folder), folder
+
+
+def model_side_files(folder: Path) -> list[SideFile]:
+    """The files of :data:`MODEL_FILES` in ``folder`` (config.json among them if it is there), the remote code
+    and the chat templates' sub-folder (a peft adapter's folder: the tokenizer beside ``adapter_config.json``)."""
+    folder = Path(folder)
     names = _files(folder)
     out = [SideFile(n, os.fspath(p), p.stat().st_size, MODEL_FILES[n]) for n, p in sorted(names.items())
            if n in MODEL_FILES]
@@ -147,7 +154,7 @@ def model_files(save_dir: Path) -> tuple[list[SideFile], Optional[Path]]:
     for sub in MODEL_FOLDERS:
         for n, p in sorted(_files(folder / sub).items()):
             out.append(SideFile(f"{sub}/{n}", os.fspath(p), p.stat().st_size, "chat template"))
-    return out, folder
+    return out
 
 
 def config_with_dtype(text: str, dtype: str) -> str:

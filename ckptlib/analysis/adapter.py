@@ -1,0 +1,139 @@
+"""What ``ckpt inspect`` says of a peft adapter checkpoint, and the check of peft's ``adapter_model.safetensors``
+beside it against the fp32 masters (read as a safetensors file: its header, then its bytes; never unpickled).
+
+The file the Trainer writes beside the tag is, depending on the transformers version and the ZeRO stage, empty (no
+tensor, or 0-element tensors: transformers 4.x at ZeRO-3 without the 16-bit gather, a script's own
+``save_pretrained`` at ZeRO-3), the 16-bit copy of the masters (each value the master rounded to the file's dtype:
+transformers 5), or something else (an older save, another run). :func:`check_weights_file` tells which.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from ..deepspeed import Checkpoint
+from ..deepspeed.adapter import Adapter, find_adapter
+from ..errors import CkptError
+from ..units import human_bytes
+from .compare import Comparer
+from .tensorsets import checkpoint_tensors, file_tensors
+
+EMPTY, SAME, COPY16, DIFFERENT, NAMES = "empty", "the fp32 masters", "16-bit copy of the masters", "different", \
+    "other names"
+
+
+def check_weights_file(ck: Checkpoint, adapter: Adapter) -> Optional[dict]:
+    """``{"path", "bytes", "status", "tensors", "dtype", "detail"}`` of the adapter file beside the tag (None: none
+    there). ``status``: :data:`EMPTY`, :data:`SAME` (bit for bit), :data:`COPY16` (every value the master rounded to
+    the file's 16-bit dtype), :data:`DIFFERENT` (``detail`` names the tensors and the largest difference) or
+    :data:`NAMES` (the names do not pair with the checkpoint's). Reads the file and the masters once."""
+    from pathlib import Path
+
+    path = adapter.weights_file
+    if path is None:
+        return None
+    try:
+        stored = {t.key: t for t in file_tensors(Path(path))}
+    except CkptError as e:
+        return {"path": path, "bytes": Path(path).stat().st_size, "status": "unreadable", "tensors": 0,
+                "dtype": None, "detail": str(e)}
+    out: dict[str, Any] = {"path": path, "bytes": Path(path).stat().st_size, "tensors": len(stored),
+                           "dtype": ", ".join(sorted({t.dtype for t in stored.values()})) or None, "detail": ""}
+    if not stored or all(t.numel == 0 for t in stored.values()):
+        out["status"] = EMPTY
+        out["detail"] = (f"{len(stored)} tensors, all with 0 elements" if stored else "no tensor") + \
+            ": PeftModel.from_pretrained loads it with the untrained adapter"
+        return out
+    masters = checkpoint_tensors(ck)
+    saved = {s: n for n, (_, s) in adapter.names.items()}
+    missing, extra = sorted(set(saved) - set(stored)), sorted(set(stored) - set(saved))
+    if missing or extra:
+        out["status"] = NAMES
+        out["detail"] = (f"{len(missing)} of the checkpoint's adapter tensors not in it"
+                         + (f" (e.g. {missing[0]})" if missing else "") + f"; {len(extra)} not in the checkpoint"
+                         + (f" (e.g. {extra[0]})" if extra else ""))
+        return out
+    cmp = Comparer()
+    try:
+        exact, rounded, worst, differ = True, True, 0.0, []
+        for s, t in stored.items():
+            m = masters[saved[s]]
+            if tuple(m.shape) != tuple(t.shape):
+                differ.append(f"{s} shape {list(t.shape)}, master {list(m.shape)}")
+                exact = rounded = False
+                continue
+            if cmp.equal(m.ranges, t.ranges, "float32") and t.dtype == "float32":
+                continue
+            exact = False
+            if t.dtype in ("bfloat16", "float16") and cmp.equal(m.ranges, t.ranges, t.dtype):
+                worst = max(worst, cmp.difference(m.ranges, t.ranges).max_abs_diff)
+                continue
+            rounded = False
+            d = cmp.difference(m.ranges, t.ranges)
+            worst = max(worst, d.max_abs_diff)
+            differ.append(f"{s} ({d.changed:,} of {d.numel:,} elements, max |diff| {d.max_abs_diff:.3g})")
+    finally:
+        cmp.close()
+    if exact:
+        out["status"] = SAME
+    elif rounded:
+        out["status"] = COPY16
+        out["detail"] = f"up to {worst:.3g} from the fp32 masters"
+    else:
+        out["status"] = DIFFERENT
+        out["detail"] = f"{len(differ)} tensors differ from the masters: " + "; ".join(differ[:3]) + \
+            (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
+    return out
+
+
+def describe_adapter(ck: Checkpoint, check_file: bool = True) -> Optional[dict]:
+    """The JSON form of what inspect says of the adapter (None: the checkpoint trains none). An adapter whose
+    config cannot be placed is described with ``refused`` (the reason) instead of raising."""
+    try:
+        adapter = find_adapter(ck)
+    except CkptError as e:
+        return {"refused": str(e)}
+    if adapter is None:
+        return None
+    c = adapter.config
+    params = {p.name: p for p in ck.parameters}
+    return {
+        "method": c.method if c else None, "peft_type": c.peft_type if c else None,
+        "r": c.r if c else None, "alpha": c.alpha if c else None, "scaling": c.scaling if c else None,
+        "target_modules": (c.target_modules if c else None), "modules_to_save": list(c.modules_to_save) if c else None,
+        "config": adapter.config_path, "tensors": len(adapter.names), "counts": adapter.counts,
+        "trainable_elements": sum(params[n].numel for n in adapter.names),
+        "base_in_checkpoint": bool(adapter.frozen), "base": adapter.base_line(),
+        "weights_file": check_weights_file(ck, adapter) if check_file else None,
+    }
+
+
+def adapter_lines(d: Optional[dict]) -> list[str]:
+    """The lines of inspect's text for the adapter (none when there is no adapter)."""
+    if not d:
+        return []
+    if "refused" in d:
+        return [f"adapter     a peft adapter ckptlib cannot place: {d['refused']}"]
+    kinds = ", ".join(f"{n} {k}" for k, n in d["counts"].items())
+    if d["method"]:
+        targets = d["target_modules"] if isinstance(d["target_modules"], str) else ", ".join(d["target_modules"])
+        lines = [f"adapter     peft {d['method']}: r={d['r']} alpha={d['alpha']:g} (scaling {d['scaling']:g}); "
+                 f"target modules {targets}"
+                 + (f"; modules_to_save {', '.join(d['modules_to_save'])}" if d["modules_to_save"] else "")]
+    else:
+        lines = [f"adapter     a peft adapter (no {'adapter_config.json'} beside the tag: "
+                 "export --adapter takes --adapter-config)"]
+    lines.append(f"            {d['tensors']} adapter tensors ({kinds}), {d['trainable_elements']:,} elements")
+    lines.append(f"            base weights: {d['base']}")
+    f = d["weights_file"]
+    if f is None:
+        lines.append("            no adapter_model.safetensors beside the tag")
+    else:
+        lines.append(f"            adapter_model.safetensors beside the tag ({human_bytes(f['bytes'])}, "
+                     f"{f['tensors']} tensors{', ' + f['dtype'] if f['dtype'] else ''}): {f['status'].upper()}"
+                     + (f"; {f['detail']}" if f["detail"] else ""))
+        if f["status"] != SAME:
+            lines.append("            ckpt export CKPT OUT --adapter writes the fp32 masters under peft's names")
+    return lines
+
+
+__all__ = ["check_weights_file", "describe_adapter", "adapter_lines", "EMPTY", "SAME", "COPY16", "DIFFERENT", "NAMES"]
