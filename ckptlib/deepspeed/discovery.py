@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from ..errors import NotACheckpointError, printable
+from ..errors import NotACheckpointError, UnsupportedCheckpointError, printable
 from .files import MODEL_STATES, OPTIM_STATES, classify, natural_key
 
 _HF_CHECKPOINT = re.compile(r"^checkpoint[-_](\d+)$")  # HF Trainer checkpoint-N, Accelerate checkpoint_N
@@ -223,6 +223,41 @@ def _not_a_checkpoint(given: Path, checkpoints: list[Path]) -> NotACheckpointErr
              "global_step100, or at an HF Trainer output folder / Accelerate project or checkpoints folder")
 
 
+def universal_tag_dir(path: Path, tag: Optional[str] = None) -> Optional[Path]:
+    """The universal checkpoint folder ``path`` is or points at (``zero/`` with one folder per parameter, beside
+    model-states files and no optimizer-state files; or a save dir whose ``latest_universal`` names one and
+    that has no ``latest``), else None."""
+    def universal(folder: Path) -> bool:
+        try:
+            return (folder / "zero").is_dir() and not any(classify(p.name).kind == OPTIM_STATES
+                                                          for p in folder.iterdir() if p.is_file())
+        except OSError:
+            return False
+    if tag is not None:
+        return path / tag if universal(path / tag) else None
+    if universal(path):
+        return path
+    latest = path / "latest_universal"
+    if latest.is_file() and not os.path.lexists(path / "latest"):
+        try:
+            name = latest.read_text(errors="replace").strip()[:LATEST_LIMIT]
+        except OSError:
+            return None
+        return path / name if name and "/" not in name and universal(path / name) else None
+    return None
+
+
+def _refuse_universal(path: Path, tag: Optional[str]) -> None:
+    found = universal_tag_dir(path, tag)
+    if found is not None:
+        raise UnsupportedCheckpointError(
+            "this is a universal checkpoint (zero/ holds one folder per parameter, as DeepSpeed's ds_to_universal "
+            "and `ckpt reshard --universal` write it), not a ZeRO layout: ckptlib does not yet inspect, export, "
+            "check or reshard from universal folders", path=found,
+            hint="`ckpt diff ORIGINAL THIS --states` compares it with the checkpoint it was made from; DeepSpeed "
+                 "resumes from it with \"checkpoint\": {\"load_universal\": true}")
+
+
 def locate(path: str | os.PathLike, tag: Optional[str] = None) -> Location:
     """Resolve ``path`` (and ``tag``) to one checkpoint; raises :class:`NotACheckpointError`."""
     given = Path(path).expanduser()
@@ -235,6 +270,7 @@ def locate(path: str | os.PathLike, tag: Optional[str] = None) -> Location:
             raise NotACheckpointError("this is a file, not a checkpoint folder", path=given,
                                       hint="give the folder that holds 'latest' and the tag folders")
     given = given.resolve()
+    _refuse_universal(given, tag)
     notes: list[str] = []
     checkpoints: list[Path] = []
 
