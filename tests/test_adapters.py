@@ -121,3 +121,107 @@ def test_inspect_flags_an_empty_or_different_adapter_file(peft_fixtures, tmp_pat
     save_file(changed, target)
     f = _inspect(ck)[0]["adapter"]["weights_file"]
     assert f["status"] == "different" and first in f["detail"]
+
+
+# ------------------------------------------------------------------------------------------------ export --adapter
+def _load_peft(base_path, adapter_path):
+    """PeftModel.from_pretrained(base, adapter) with every warning and log record of the load caught."""
+    import logging
+    import warnings
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger().addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = PeftModel.from_pretrained(base, adapter_path)
+    finally:
+        logging.getLogger().removeHandler(handler)
+    said = [str(w.message) for w in caught] + [r.getMessage() for r in records]
+    return model, [s for s in said if "key" in s.lower()]
+
+
+def test_export_adapter_loads_in_peft_bit_equal_to_the_live_masters(peft_fixtures, tmp_path):
+    """Acceptance (issue 31): every fixture, checkpoints at steps 2 and 4; chosen by default (and said); peft loads
+    the export with no key warning, and every trainable tensor of the loaded PeftModel is the live engine's fp32
+    master, bit for bit."""
+    pytest.importorskip("peft")
+    import ckptlib
+    from safetensors import safe_open
+
+    for fx in peft_fixtures.values():
+        for ckpt, ref_path in zip(fx["checkpoint_paths"], fx["reference_paths"]):
+            out = tmp_path / f"{fx['name']}-{ckpt.name}"
+            plan = ckptlib.plan_export(ckpt, out)
+            assert any("trains a peft adapter: exported as one" in n for n in plan.notes)
+            ckptlib.export(plan)
+            ref = torch.load(ref_path, weights_only=False)
+            with safe_open(out / A.WEIGHTS_FILE, "pt") as f:
+                assert set(f.keys()) == set(ref["peft_fp32"])
+                for k in f.keys():
+                    assert torch.equal(f.get_tensor(k), ref["peft_fp32"][k]), (fx["name"], k)
+            model, complaints = _load_peft(fx["base_path"], out)
+            assert not complaints, (fx["name"], complaints)
+            loaded = {n: p for n, p in model.named_parameters() if n in ref["fp32"]}
+            assert set(loaded) == set(ref["fp32"]), fx["name"]
+            for n, p in loaded.items():
+                assert p.dtype == torch.float32 and torch.equal(p.detach(), ref["fp32"][n]), (fx["name"], n)
+
+
+def test_export_adapter_options(peft_fixtures, tmp_path):
+    """--dtype bf16 is the Trainer's 16-bit file bit for bit; --states under the same names; the config given;
+    the side files copied; --no-adapter says why a copied config.json is no fix."""
+    import ckptlib
+    from safetensors import safe_open
+
+    fx = peft_fixtures["peft_dora_z3"]
+    ckpt = fx["checkpoint_path"]
+    ckptlib.export(ckpt, tmp_path / "bf16", dtype="bf16", states=["exp_avg"])
+    ref = _reference(fx)
+    mapping = A.adapter_names(ref["fp32"])
+    with safe_open(tmp_path / "bf16" / A.WEIGHTS_FILE, "pt") as mine, safe_open(ckpt / A.WEIGHTS_FILE, "pt") as theirs:
+        assert sorted(mine.keys()) == sorted(theirs.keys())
+        assert all(torch.equal(mine.get_tensor(k), theirs.get_tensor(k)) for k in mine.keys())
+    with safe_open(tmp_path / "bf16" / "exp_avg" / A.WEIGHTS_FILE, "pt") as f:
+        assert f.metadata()["optimizer_state"] == "exp_avg"
+        for n, (_, s) in mapping.items():
+            assert torch.equal(f.get_tensor(s), ref["exp_avg"][n]), n
+    assert {"adapter_config.json", "README.md", "tokenizer.json"} <= {p.name for p in (tmp_path / "bf16").iterdir()}
+    plan = ckptlib.plan_export(ckpt, tmp_path / "plain", adapter=False)
+    assert any("with a copied config.json it would build a randomly initialised model" in n for n in plan.notes)
+    assert not any("copy the config.json" in n for n in plan.notes)
+    assert all(t.name == t.source for t in plan.tensors)
+
+
+def test_export_adapter_refusals(peft_fixtures, ds_fixtures, tmp_path):
+    import shutil
+
+    import ckptlib
+
+    fx = peft_fixtures["peft_lora_qv_z2"]
+    ck = _copy(fx, tmp_path)
+    cfg = json.loads((ck / A.CONFIG_FILE).read_text())
+    (ck / A.CONFIG_FILE).unlink()
+    with pytest.raises(CkptError, match="no adapter_config.json is beside the tag") as e:
+        ckptlib.plan_export(ck, tmp_path / "o1")
+    assert "--adapter-config" in e.value.hint
+    given = tmp_path / "given.json"
+    given.write_text(json.dumps(cfg))
+    ckptlib.export(ck, tmp_path / "o2", adapter_config=given)
+    assert json.loads((tmp_path / "o2" / A.CONFIG_FILE).read_text()) == cfg
+    (ck / A.CONFIG_FILE).write_text(json.dumps(dict(cfg, peft_type="LOHA")))
+    with pytest.raises(CkptError, match="LOHA keeps tensors ckptlib has not checked"):
+        ckptlib.plan_export(ck, tmp_path / "o3")
+    assert ckptlib.plan_export(ck, tmp_path / "o3", adapter=False).tensors  # the full-model layout still works
+    with pytest.raises(CkptError, match="in safetensors"):
+        ckptlib.plan_export(ck, tmp_path / "o4", adapter=True, format="torch")
+    plain = next(iter(ds_fixtures.values()))["checkpoint_path"]
+    with pytest.raises(CkptError, match="trains no peft adapter"):
+        ckptlib.plan_export(plain, tmp_path / "o5", adapter=True)
+    shutil.rmtree(ck)

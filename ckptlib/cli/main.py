@@ -124,7 +124,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
         args.path, args.out, tag=args.tag, format=args.format, dtype=args.dtype,
         max_shard_size=args.max_shard_size, exclude_frozen=args.exclude_frozen, states=states,
         workers=args.workers, overwrite=args.overwrite, tp_rules=args.tp_rules, hf_files=args.hf_files,
-        sync=args.sync, dcp=dcp_options(args), verify_crc=args.verify_crc, model_config=args.model_config), "export")
+        sync=args.sync, dcp=dcp_options(args), verify_crc=args.verify_crc, model_config=args.model_config,
+        adapter=args.adapter, adapter_config=args.adapter_config), "export")
 
 
 def _cmd_reshard(args: argparse.Namespace) -> int:
@@ -240,6 +241,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an AutoEP checkpoint's HF model config (default: config.json beside the checkpoint): its "
                         "experts are written as the model's class keeps them (gate_up_proj, down_proj), the config "
                         "beside them, for from_pretrained")
+    p.add_argument("--adapter", action=argparse.BooleanOptionalAction, default=None,
+                   help="a peft adapter (LoRA, DoRA) as peft saves it: adapter_model.safetensors under peft's names "
+                        "(the fp32 masters, or --dtype), adapter_config.json, tokenizer and README beside, which "
+                        "PeftModel.from_pretrained(base, OUT) loads; chosen by default when the checkpoint trains one "
+                        "(--no-adapter: the PeftModel's tensors under DeepSpeed's names)")
+    p.add_argument("--adapter-config", metavar="adapter_config.json",
+                   help="the adapter's config (default: adapter_config.json beside the checkpoint)")
     p.add_argument("--states", help="optimizer states to export too, comma separated (e.g. exp_avg,exp_avg_sq or "
                                     "momentum_buffer), or 'all' for every per-element key the optimizer keeps "
                                     "(`ckpt inspect` lists them per group)")

@@ -47,8 +47,8 @@ class Adapter:
         if self.frozen:
             return (f"in the checkpoint too ({len(self.frozen)} frozen tensors saved); an adapter export leaves "
                     "them out")
-        return ("not in the checkpoint (saved with exclude_frozen_parameters): they are the base model's, which "
-                "PeftModel.from_pretrained(base, OUT) or --merge --base needs")
+        return ("not in the checkpoint (saved with exclude_frozen_parameters): they are the base model's, the one "
+                "PeftModel.from_pretrained(base, adapter) loads the adapter on")
 
 
 def _frozen_with_data(ck: Checkpoint) -> list[str]:

@@ -15,11 +15,13 @@ from ..deepspeed.exactness import require_exact, value_proofs
 from ..dtypes import BY_SHORT, OUTPUT_DTYPES
 from ..errors import CkptError
 from ..io.crc import entries_touching
+from ..kinds.adapters import looks_like_adapter
 from ..kinds.optimizers import describe as describe_families
 from ..io.streaming import DEFAULT_CHUNK_BYTES
 from ..plan import CopyFile, PlannedTensor, RangeCheck, TextFile
 from ..system.gcpause import gc_paused
 from ..units import parse_size
+from .adapter import adapter_sets
 from .hf_layout import ModelConfig, in_hf_layout
 from .weights import ExportPlan, model_tensors, weights_files
 
@@ -33,7 +35,8 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
                 states: Sequence[str] = (), workers: int = 1, overwrite: bool = False,
                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, tp_rules=None, hf_files: bool = True,
                 sync: bool = True, dcp: Optional[dict] = None, verify_crc: bool = False,
-                model_config: ModelConfig = None) -> ExportPlan:
+                model_config: ModelConfig = None, adapter: Optional[bool] = None,
+                adapter_config: Union[str, os.PathLike, dict, None] = None) -> ExportPlan:
     """Plan the export of consolidated weights (and optionally optimizer states); reads no tensor data.
 
     Args:
@@ -63,6 +66,12 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
         model_config: an AutoEP checkpoint's model config (``config.json``, its folder, or the dict; default: the
             ``config.json`` beside the checkpoint): its experts are written as the model's class keeps them
             (:mod:`ckptlib.export.hf_layout`), and the config beside them.
+        adapter: write a peft adapter as peft saves it (:mod:`ckptlib.export.adapter`: ``adapter_model.safetensors``
+            under peft's names, ``adapter_config.json``, tokenizer and README beside), which
+            ``PeftModel.from_pretrained(base, out)`` loads; None (default): so when the checkpoint trains a peft
+            adapter and the format is safetensors (a note says so); False: the PeftModel's tensors under DeepSpeed's
+            names, as any model. ``adapter_config``: its ``adapter_config.json`` (path, folder or dict; default: the
+            one beside the tag).
         verify_crc: verify the CRC-32 of every zip member of the checkpoint the export reads, before writing
             (one more read of those bytes; a mismatch is refused, naming the file and member).
         sync: put the output on disk before it appears under its name (default; see :class:`~ckptlib.plan.Plan`).
@@ -74,6 +83,9 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
 
     Memory: the plan itself (one small record per tensor and stored range).
     """
+    if adapter and format != "safetensors":
+        raise CkptError(f"an adapter is written as peft saves it, in safetensors (not {format})",
+                        hint="leave out --format, or export the full model layout with --no-adapter")
     if not isinstance(checkpoint, Checkpoint) and format != "dcp" and is_dcp(checkpoint):
         from .from_dcp import plan_from_dcp  # a DCP checkpoint as the source
 
@@ -108,21 +120,26 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
             warnings.append(f"ZeRO-0: {', '.join(lowp)} in no optimizer group (frozen; the checkpoint holds no fp32 "
                             f"master for them): exported from the {ck.dtype} module weights")
     out_dtype = BY_SHORT[dtype].name
-    sets = [("", model_tensors(ck, out_dtype, exclude_frozen))]
-    step = ck.optimizer.step if ck.optimizer else None
     states = requested_states(ck, states)
-    for key in states:
-        sets.append((key + "/", [PlannedTensor(p.name, p.name, key, "state", tuple(p.shape), "float32",
-                                               tuple(ck.sources(p.name, key)))
-                                 for p in ck.parameters if p.trainable and not p.tied_to
-                                 and key in ck.state_keys(p.name)]))
-    files, finals, index_files = weights_files(sets, format, limit, step)
+    peft = adapter_sets(ck, out_dtype, states, adapter, adapter_config) \
+        if adapter or (adapter is None and format == "safetensors" and not layout_files) else None
+    if peft is not None:
+        files, finals, side, side_notes = peft
+        side = side if hf_files else side[:1]  # adapter_config.json always: peft cannot load the adapter without it
+        if adapter is None:
+            side_notes.insert(0, "the checkpoint trains a peft adapter: exported as one (--adapter; --no-adapter "
+                                 "writes the PeftModel's tensors under DeepSpeed's names instead)")
+        index_files, layout_files, hf_files = {}, [], False
+    else:
+        files, finals, index_files = weights_files(_model_sets(ck, out_dtype, exclude_frozen, states), format, limit,
+                                                   ck.optimizer.step if ck.optimizer else None)
     checks = [RangeCheck(what, tuple(a), tuple(b), a[0].dtype if a else "float32")  # compared as stored
               for f in files for t in f.tensors for what, a, b in ck.replica_checks(t.source, t.key)
               if t.kind != "tied"] + value_proofs(ck)
     crc = entries_touching(ck.zip_entries(), [r for f in files for t in f.tensors for r in t.ranges] +
                            [r for c in checks for r in c.a + c.b]) if verify_crc else []
-    side, side_notes = _side_files(ck, out_dtype) if hf_files and not layout_files else ([], [])
+    if peft is None:
+        side, side_notes = _side_files(ck, out_dtype) if hf_files and not layout_files else ([], [])
     if layout_files:  # the config given for the layout, the rest of what from_pretrained reads from beside the checkpoint
         found, _ = hf.model_files(ck.location.save_dir) if hf_files else ([], None)
         side = layout_files + [CopyFile(f.name, f.source, f.bytes, kind="hf") for f in found if f.name != hf.CONFIG]
@@ -136,6 +153,17 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
                       overwrite=overwrite, sync=sync,
                       notes=warnings + [n for n in ck.view.notes if ck.kind != "data_parallel"] + side_notes,
                       checks=checks, crc=crc)
+
+
+def _model_sets(ck: Checkpoint, out_dtype: str, exclude_frozen: bool, states: Sequence[str]) -> list:
+    """The weights under ``""`` and each optimizer state under ``<key>/`` (DeepSpeed's names, the model's order)."""
+    sets = [("", model_tensors(ck, out_dtype, exclude_frozen))]
+    for key in states:
+        sets.append((key + "/", [PlannedTensor(p.name, p.name, key, "state", tuple(p.shape), "float32",
+                                               tuple(ck.sources(p.name, key)))
+                                 for p in ck.parameters if p.trainable and not p.tied_to
+                                 and key in ck.state_keys(p.name)]))
+    return sets
 
 
 def requested_states(ck: Checkpoint, states: Sequence[str]) -> list[str]:
@@ -187,6 +215,10 @@ def _side_files(ck: Checkpoint, out_dtype: str) -> tuple[list, list[str]]:
     """The Hugging Face files to copy beside the weights (``config.json`` as text with ``out_dtype``), and
     the note saying what was copied from where, or how to add a config."""
     found, folder = hf.model_files(ck.location.save_dir)
+    if folder is None and looks_like_adapter(p.name for p in ck.parameters if p.trainable):
+        return [], ["these are a peft adapter's tensors under the PeftModel's names, not a model: from_pretrained(OUT) "
+                    "cannot load them (with a copied config.json it would build a randomly initialised model); "
+                    "export without --no-adapter for what PeftModel.from_pretrained(base, OUT) loads"]
     if folder is None:
         return [], [f"no config.json beside the checkpoint ({ck.location.save_dir}): from_pretrained(OUT) needs "
                     "one; write it with model.config.save_pretrained(OUT), or copy the config.json of the model "
