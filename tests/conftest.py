@@ -93,6 +93,12 @@ def peft_fixtures() -> dict:
 
 
 @pytest.fixture(scope="session")
+def legacy_fixtures() -> dict:
+    """ZeRO-1/2/3, pipeline and MoE checkpoints saved in torch's legacy serialization (tests/fixtures/legacy)."""
+    return _family("tests.fixtures.legacy.factory")
+
+
+@pytest.fixture(scope="session")
 def autoep_fixtures() -> dict:
     """AutoEP checkpoints (tests/fixtures/autoep)."""
     return _family("tests.fixtures.autoep.factory")
