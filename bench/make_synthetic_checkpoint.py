@@ -1,14 +1,27 @@
-"""Write a synthetic DeepSpeed 0.19.8 checkpoint of a Llama-2-70B-shaped model at N data-parallel ranks, sparse.
+"""Write a synthetic DeepSpeed 0.19.8 checkpoint of a Llama-2-70B-shaped model at N data-parallel ranks, sparse
+or with real tensor bytes.
 
 Every file is a real torch zip archive with a real protocol-2 pickle holding the key tree DeepSpeed
-0.19.8 writes (checked against the real fixtures of ``tests/fixtures/generate.py``), but no tensor
+0.19.8 writes (checked against the real fixtures of ``tests/fixtures/generate.py``). By default no tensor
 byte is ever written: the data regions of the zip members are holes (the files are truncated to their
 final size), so a 1 TB checkpoint takes a few MB of disk. Readers that only look at metadata
 (``ckpt inspect``, ``ckpt export --plan``, ``ckpt reshard --plan``) see exactly what they would see
 on the real checkpoint; a reader of values would see zeros.
 
+With ``--fill random`` every tensor byte is written (a checkpoint to convert, time and check at scale,
+``bench/scale_bench.py``): each parameter has three deterministic pseudo-random value streams (fp32 master,
+``exp_avg``, ``exp_avg_sq``: :func:`param_bits`, finite normal numbers, the second moment non-negative),
+and every storage holds its rank's part of them where DeepSpeed puts it: ZeRO-3 partitions of
+``ceil(numel / N)`` elements padded with zeros, ZeRO-2 flat-group slices with zero padding, ZeRO-2's bf16
+module weights the round-to-nearest-even of the masters; the Adam ``step`` is the global step. Streamed in
+8 MiB pieces (memory: one piece and the pickle), each member's CRC-32 computed on the way; every file is
+fsynced. ``tests/test_synthetic_fill.py`` proves the format with DeepSpeed's own readers (``zero_to_fp32``,
+an engine's ``load_checkpoint``).
+
     python bench/make_synthetic_checkpoint.py --out .bench-work/synthetic/z3_r512 --stage 3 --ranks 512
     python bench/make_synthetic_checkpoint.py --out DIR --stage 2 --ranks 64 --layers 40   # about half
+    python bench/make_synthetic_checkpoint.py --out DIR --ranks 8 --layers 11 --hidden 4096 --intermediate 11008 \
+        --vocab 35000 --heads 32 --kv-heads 32 --fill random          # 30.2 GB on disk, about a minute
 
 What is written (bf16 training with a torch AdamW and two parameter groups, as HF Trainer builds them:
 the 2-D weights with weight decay, the RMSNorm weights without):
@@ -25,7 +38,7 @@ the 2-D weights with weight decay, the RMSNorm weights without):
   with ``fp32_flat_groups`` (with their ``ds_id``) and the torch optimizer state per sub-group; sub-groups
   are cut as DeepSpeed cuts them (``sub_group_size`` 1e9).
 
-The CRC-32 of each zip member is the true CRC-32 of its (all-zero) data, computed from the CRC of one
+Sparse, the CRC-32 of each zip member is the true CRC-32 of its (all-zero) data, computed from the CRC of one
 zero byte with :func:`ckptlib.io.torchzip.zipfmt.crc32_combine` by doubling, so ``zipfile.testzip`` and
 ``torch.load`` accept the files too (ckptlib's reader does not check member CRCs). The pickles come from
 the small emitter below (no torch, no DeepSpeed import): it writes the opcodes ``torch.save`` writes,
@@ -83,6 +96,9 @@ def ceil_div(a: int, b: int) -> int:
 class Storage:
     dtype: str
     numel: int
+    #: what the storage holds with ``--fill random``: ``(source, start, count)`` runs of elements in order
+    #: (see :func:`storage_pieces`); None: all zeros
+    fill: Optional[list] = None
 
     @property
     def nbytes(self) -> int:
@@ -118,9 +134,9 @@ class Enum:
     value: int
 
 
-def tensor(dtype: str, numel: int, shape: Optional[tuple] = None, **kw) -> Tensor:
+def tensor(dtype: str, numel: int, shape: Optional[tuple] = None, fill: Optional[list] = None, **kw) -> Tensor:
     """A new contiguous tensor with a storage of its own."""
-    return Tensor(Storage(dtype, numel), 0, (numel,) if shape is None else shape, **kw)
+    return Tensor(Storage(dtype, numel, fill), 0, (numel,) if shape is None else shape, **kw)
 
 
 class Pickler:
@@ -287,6 +303,80 @@ class Pickler:
         return bytes(self.out + b".")
 
 
+# ============================================================================================ values
+#: The kinds of per-element values of a parameter (``("param", index, kind)`` sources)
+MASTER, EXP_AVG, EXP_AVG_SQ = 0, 1, 2
+#: elements per pseudo-random block: element ``i`` of a stream is element ``i % FILL_BLOCK`` of block
+#: ``i // FILL_BLOCK``, each block a PCG64 stream of its own, so any run of a stream is made without the rest
+FILL_BLOCK = 1 << 18
+PIECE = 1 << 21  # elements per piece written (8 MiB of fp32): what bounds the writer's memory
+
+
+def param_bits(seed: int, index: int, kind: int, start: int, count: int):
+    """fp32 bit patterns (uint32) of elements ``[start, start + count)`` of parameter ``index``'s value
+    stream ``kind`` (:data:`MASTER`, :data:`EXP_AVG`, :data:`EXP_AVG_SQ`): pseudo-random, deterministic, the
+    same whichever run is asked for. Every value is a finite normal fp32 number of magnitude in
+    ``[2**-31, 2)``: the exponent's top bit cleared, its next two set; :data:`EXP_AVG_SQ` also non-negative."""
+    import numpy as np
+
+    out = np.empty(count, np.uint32)
+    pos, end = start, start + count
+    while pos < end:
+        j, lo = divmod(pos, FILL_BLOCK)
+        hi = min(FILL_BLOCK, end - j * FILL_BLOCK)
+        gen = np.random.PCG64(np.random.SeedSequence([seed, index, kind, j]))
+        raw = gen.random_raw((hi + 1) // 2).view(np.uint32)  # a prefix of the block: the same values
+        out[pos - start:pos - start + hi - lo] = raw[lo:hi]
+        pos += hi - lo
+    out &= np.uint32(0x3FFFFFFF if kind == EXP_AVG_SQ else 0xBFFFFFFF)
+    out |= np.uint32(0x30000000)
+    return out
+
+
+def to_bf16_bits(bits):
+    """bf16 bit patterns (uint16) of finite fp32 bit patterns, rounded to nearest even (as ``Tensor.to``)."""
+    import numpy as np
+
+    return ((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+
+
+def storage_pieces(st: Storage, seed: int, piece: int = PIECE):
+    """The bytes of storage ``st`` filled from its :attr:`Storage.fill` runs, in pieces of at most ``piece``
+    elements (one buffer, reused: consume each piece before asking for the next). A run's source is
+    ``("param", index, kind)`` (that stream's elements ``start...``; a bf16 storage holds the bf16 rounding of
+    the fp32 values), ``("const", value)`` (``count`` copies of a number) or None (zeros)."""
+    import numpy as np
+
+    if st.dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"cannot fill a {st.dtype} storage")
+    bf16 = st.dtype == "bfloat16"
+    runs = st.fill if st.fill is not None else [(None, 0, st.numel)]
+    if sum(c for _, _, c in runs) != st.numel:
+        raise ValueError(f"fill runs of {sum(c for _, _, c in runs)} elements for a storage of {st.numel}")
+    buf = np.empty(min(piece, max(st.numel, 1)), np.uint16 if bf16 else np.uint32)
+    pos = 0
+    for src, start, count in runs:
+        done = 0
+        while done < count:
+            k = min(count - done, len(buf) - pos)
+            dst = buf[pos:pos + k]
+            if src is None:
+                dst[:] = 0
+            elif src[0] == "const":
+                bits = np.array([src[1]], np.float32).view(np.uint32)
+                dst[:] = to_bf16_bits(bits)[0] if bf16 else bits[0]
+            else:
+                bits = param_bits(seed, src[1], src[2], start + done, k)
+                dst[:] = to_bf16_bits(bits) if bf16 else bits
+            pos += k
+            done += k
+            if pos == len(buf):
+                yield memoryview(buf).cast("B")
+                pos = 0
+    if pos:
+        yield memoryview(buf[:pos]).cast("B")
+
+
 # ============================================================================================ zip files
 _ZERO_CRC: dict[int, int] = {}
 
@@ -306,8 +396,8 @@ def zero_crc(n: int) -> int:
     return crc
 
 
-def write_sparse_torch_file(path: Path, obj: Any) -> tuple[int, float]:
-    """Write ``obj`` as a torch zip file whose tensor data are holes; ``(apparent size, seconds pickling)``."""
+def _layout(path: Path, obj: Any):
+    """Pickle ``obj``; ``(members [(name, bytes or Storage)], records, central directory offset, pickling s)``."""
     t0 = time.perf_counter()
     p = Pickler()
     p.emit(obj)
@@ -316,16 +406,22 @@ def write_sparse_torch_file(path: Path, obj: Any) -> tuple[int, float]:
     archive = path.stem
     small = [("data.pkl", pkl), (".format_version", b"1"), (".storage_alignment", b"64"), ("byteorder", b"little")]
     tail = [("version", b"3\n"), (".data/serialization_id", b"%040d" % (zlib.crc32(str(path).encode()) * 7919))]
-    members = small + [(f"data/{i}", s.nbytes) for i, s in enumerate(p.storages)] + tail
-    records, cd_offset = layout_records([(f"{archive}/{n}", len(c) if isinstance(c, bytes) else c)
+    members = small + [(f"data/{i}", s) for i, s in enumerate(p.storages)] + tail
+    records, cd_offset = layout_records([(f"{archive}/{n}", len(c) if isinstance(c, bytes) else c.nbytes)
                                          for n, c in members])
+    return members, records, cd_offset, t_pickle
+
+
+def write_sparse_torch_file(path: Path, obj: Any) -> tuple[int, float]:
+    """Write ``obj`` as a torch zip file whose tensor data are holes; ``(apparent size, seconds pickling)``."""
+    members, records, cd_offset, t_pickle = _layout(path, obj)
     pieces: list[tuple[int, bytes]] = []
     for rec, (_, content) in zip(records, members):
         if isinstance(content, bytes):
             rec.crc = zlib.crc32(content)
             pieces.append((rec.data_offset, content))
         else:
-            rec.crc = zero_crc(content)
+            rec.crc = zero_crc(content.nbytes)
         pieces.append((rec.header_offset, local_header(rec)))
     cd = central_directory(records, cd_offset)
     pieces.append((cd_offset, cd))
@@ -348,6 +444,35 @@ def write_sparse_torch_file(path: Path, obj: Any) -> tuple[int, float]:
     return size, t_pickle
 
 
+def write_filled_torch_file(path: Path, obj: Any, seed: int) -> tuple[int, float]:
+    """Write ``obj`` as a torch zip file whose tensors hold the values :func:`storage_pieces` makes (every
+    byte written, no holes), streamed: each member's data first, its CRC-32 computed on the way, then its
+    local header before it; ``(size, seconds pickling)``. Memory: one piece (8 MiB) and the pickle."""
+    members, records, cd_offset, t_pickle = _layout(path, obj)
+    with open(path, "wb", buffering=1 << 20) as f:
+        for rec, (_, content) in zip(records, members):
+            f.seek(rec.data_offset)
+            if isinstance(content, bytes):
+                rec.crc = zlib.crc32(content)
+                f.write(content)
+            else:
+                crc = 0
+                for chunk in storage_pieces(content, seed):
+                    crc = zlib.crc32(chunk, crc)
+                    f.write(chunk)
+                rec.crc = crc
+            end = f.tell()
+            f.seek(rec.header_offset)
+            f.write(local_header(rec))  # ends where the data start (its padding fills the gap)
+            f.seek(end)
+        f.seek(cd_offset)
+        f.write(central_directory(records, cd_offset))
+        size = f.tell()
+        f.flush()
+        os.fsync(f.fileno())
+    return size, t_pickle
+
+
 # ============================================================================================ trees
 def ds_config(stage: int, ranks: int) -> dict:
     zero = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": 500000000}
@@ -365,9 +490,25 @@ def param_group(g: int, sub_groups: list[int]) -> dict:
             "fused": None, "decoupled_weight_decay": True, "params": list(sub_groups)}
 
 
-def adam_state(numel: int) -> dict:
-    return {"step": tensor("float32", 1, ()), "exp_avg": tensor("float32", numel),
-            "exp_avg_sq": tensor("float32", numel)}
+def adam_state(numel: int, step: int, runs) -> dict:
+    """A torch AdamW state of ``numel`` elements; ``runs(kind)``: the fill runs of its exp_avg / exp_avg_sq."""
+    return {"step": tensor("float32", 1, (), fill=[(("const", float(step)), 0, 1)]),
+            "exp_avg": tensor("float32", numel, fill=runs(EXP_AVG)), "exp_avg_sq": tensor("float32", numel, fill=runs(EXP_AVG_SQ))}
+
+
+def flat_runs(members: list, offsets: dict, lo: int, hi: int, kind: int) -> list:
+    """The fill runs of positions ``[lo, hi)`` of a flat group holding ``members`` ``(index, name, shape)``
+    one after the other from ``offsets[name]`` (a bit16 group, a ZeRO-2 partition): each parameter's values
+    where it lies, zeros past the last one (padding)."""
+    runs, pos = [], lo
+    for i, n, s in members:
+        a, b = max(offsets[n], lo), min(offsets[n] + math.prod(s), hi)
+        if a < b:
+            runs.append((("param", i, kind), a - offsets[n], b - a))
+            pos = b
+    if pos < hi:
+        runs.append((None, 0, hi - pos))
+    return runs
 
 
 def model_states(params: list, stage: int, ranks: int, shapes: list, module: collections.OrderedDict,
@@ -390,6 +531,7 @@ def loss_scaler() -> Obj:
 def zero2_files(params: list, ranks: int, step: int):
     """``(file name, object tree)`` of every ZeRO-2 file (model states first)."""
     groups = [[(n, s) for n, s, g in params if g == k] for k in (0, 1)]
+    indexed = [[(i, n, s) for i, (n, s, g) in enumerate(params) if g == k] for k in (0, 1)]
     flat, offsets, totals = [], {}, []
     for members in groups:
         pos = 0
@@ -397,7 +539,8 @@ def zero2_files(params: list, ranks: int, step: int):
             offsets[n] = pos
             pos += math.prod(s)
         totals.append(pos)
-        flat.append(Storage("bfloat16", ceil_div(pos, 2 * ranks) * 2 * ranks))
+        padded = ceil_div(pos, 2 * ranks) * 2 * ranks
+        flat.append(Storage("bfloat16", padded, flat_runs(indexed[len(flat)], offsets, 0, padded, MASTER)))
     module = collections.OrderedDict((n, Tensor(flat[g], offsets[n], s)) for n, s, g in params)
     shapes = [collections.OrderedDict((n, Size(s)) for n, s in m) for m in groups]
     yield "mp_rank_00_model_states.pt", model_states(params, 2, ranks, shapes, module, step)
@@ -407,8 +550,9 @@ def zero2_files(params: list, ranks: int, step: int):
             part = flat[g].numel // ranks
             lo, hi = r * part, (r + 1) * part
             lean = max(0, min(hi, totals[g]) - lo)
-            fp32.append(Tensor(Storage("float32", part), 0, (lean,), requires_grad=True))
-            state[g] = adam_state(part)
+            fp32.append(Tensor(Storage("float32", part, flat_runs(indexed[g], offsets, lo, hi, MASTER)), 0, (lean,),
+                               requires_grad=True))
+            state[g] = adam_state(part, step, lambda kind, g=g, lo=lo, hi=hi: flat_runs(indexed[g], offsets, lo, hi, kind))
             pads.append(part - lean)
             m = collections.OrderedDict()
             for n, s in members:
@@ -455,10 +599,25 @@ def zero3_files(params: list, ranks: int, step: int):
         module = collections.OrderedDict((n, tensor("bfloat16", 0)) for n, _, _ in params)
         yield f"zero_pp_rank_{r}_mp_rank_00_model_states.pt", model_states(params, 3, ranks, shapes, module, step)
     for r in range(ranks):
-        flats = [tensor("float32", size, requires_grad=True,
+        def runs(sub: list, kind: int, r: int = r) -> list:
+            """Rank ``r``'s partition of every parameter of ``sub``, one after the other: ``ceil(numel / N)``
+            elements each, from element ``r * ceil(numel / N)``, padded with zeros (as DeepSpeed partitions)."""
+            out = []
+            for n, s, _ in sub:
+                numel = math.prod(s)
+                part = ceil_div(numel, ranks)
+                valid = max(0, min(numel, (r + 1) * part) - r * part)
+                if valid:
+                    out.append((("param", ds_ids[n], kind), r * part, valid))
+                if valid < part:
+                    out.append((None, 0, part - valid))
+            return out
+
+        flats = [tensor("float32", size, requires_grad=True, fill=runs(sub, MASTER),
                         py_state={"ds_id": f"{ds_ids[sub[0][0]]}_{ds_ids[sub[-1][0]]}"})
                  for sub, size in zip(subs, sizes)]
-        inner = {"state": {k: adam_state(size) for k, size in enumerate(sizes)},
+        inner = {"state": {k: adam_state(size, step, lambda kind, sub=sub: runs(sub, kind))
+                           for k, (sub, size) in enumerate(zip(subs, sizes))},
                  "param_groups": [param_group(g, group_subs[g]) for g in (0, 1)]}
         osd = {"zero_stage": Enum("deepspeed.runtime.zero.config.ZeroStageEnum", 3), "loss_scaler": loss_scaler(),
                "dynamic_loss_scale": False, "overflow": False, "partition_count": ranks,
@@ -480,8 +639,9 @@ def disk_usage(path: Path) -> tuple[int, int, int]:
     return count, apparent, allocated
 
 
-def make(out: Path, stage: int, ranks: int, step: int = 1000, **model) -> dict:
-    """Write the checkpoint into ``out`` (replaced if it exists); returns a summary."""
+def make(out: Path, stage: int, ranks: int, step: int = 1000, fill: str = "none", seed: int = 0, **model) -> dict:
+    """Write the checkpoint into ``out`` (replaced if it exists); returns a summary. ``fill``: ``"none"``
+    (tensor data are holes) or ``"random"`` (every tensor byte written: :func:`param_bits` values of ``seed``)."""
     t0 = time.perf_counter()
     params = llama_params(**model)
     if out.exists():
@@ -491,7 +651,12 @@ def make(out: Path, stage: int, ranks: int, step: int = 1000, **model) -> dict:
     files = zero3_files(params, ranks, step) if stage == 3 else zero2_files(params, ranks, step)
     pickling = 0.0
     for name, obj in files:
-        pickling += write_sparse_torch_file(out / tag / name, obj)[1]
+        if fill == "random":
+            pickling += write_filled_torch_file(out / tag / name, obj, seed)[1]
+        elif fill == "none":
+            pickling += write_sparse_torch_file(out / tag / name, obj)[1]
+        else:
+            raise ValueError(f"fill {fill!r}: none or random")
     (out / "latest").write_text(tag)
     try:  # DeepSpeed copies its converters beside the tag folders
         import importlib.util
@@ -508,7 +673,7 @@ def make(out: Path, stage: int, ranks: int, step: int = 1000, **model) -> dict:
     return {"out": str(out), "stage": stage, "ranks": ranks, "files": count,
             "parameters": sum(math.prod(s) for _, s, _ in params), "tensors": len(params),
             "apparent_bytes": apparent, "allocated_bytes": allocated, "seconds": time.perf_counter() - t0,
-            "pickling_seconds": pickling}
+            "pickling_seconds": pickling, "fill": fill, "seed": seed}
 
 
 def main(argv=None) -> int:
@@ -523,12 +688,16 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=64)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--step", type=int, default=1000)
+    ap.add_argument("--fill", choices=("none", "random"), default="none",
+                    help="none: tensor data are holes (sparse files, a few MB); random: every tensor byte written, "
+                         "deterministic pseudo-random finite values (param_bits), streamed in 8 MiB pieces")
+    ap.add_argument("--seed", type=int, default=0, help="with --fill random: the values' seed")
     args = ap.parse_args(argv)
-    s = make(args.out, args.stage, args.ranks, args.step, layers=args.layers, hidden=args.hidden,
+    s = make(args.out, args.stage, args.ranks, args.step, args.fill, args.seed, layers=args.layers, hidden=args.hidden,
              intermediate=args.intermediate, vocab=args.vocab, heads=args.heads, kv_heads=args.kv_heads)
     print(f"ZeRO-{s['stage']} x {s['ranks']} ranks, {s['parameters']:,} parameters in {s['tensors']} tensors: "
           f"{s['files']} files, apparent {s['apparent_bytes'] / 1e9:,.1f} GB, on disk {s['allocated_bytes'] / 2**20:,.1f} MiB, "
-          f"{s['seconds']:.1f} s ({s['pickling_seconds']:.1f} s pickling) -> {s['out']}")
+          f"{s['seconds']:.1f} s ({s['pickling_seconds']:.1f} s pickling), fill {s['fill']} -> {s['out']}")
     return 0
 
 
