@@ -8,6 +8,8 @@ small hierarchy so callers can catch :class:`CkptError` for everything, or a spe
   - :class:`IncompleteCheckpointError` — files are missing, extra, truncated or inconsistent.
     - :class:`MissingEntryError` — an entry the metadata promises is not in the file (also a ``KeyError``).
   - :class:`UnsupportedCheckpointError` — a real checkpoint of a kind ckptlib cannot handle (yet).
+    - :class:`PipelineUnknownError` — how the PipelineModule places its layers at the new number of stages
+      is not in the checkpoint: the user must say it (``pp_partition``, ``pp_layers``, ``pp_tied``).
   - :class:`UnsafeCheckpointError` — a pickle asks for code ckptlib will not run.
   - :class:`OutputError` — a problem with the output location (exists, inside the source, disk full).
   - :class:`OutOfMemoryError` — an allocation failed: how much the run needs, what was left (also a ``MemoryError``).
@@ -17,6 +19,7 @@ small hierarchy so callers can catch :class:`CkptError` for everything, or a spe
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 
 def printable(text: str, limit: int = 0) -> str:
@@ -54,10 +57,20 @@ class CkptError(Exception):
         super().__init__(self.__str__())
 
     def __str__(self) -> str:  # one readable line (two with a hint); nothing from a file reaches the terminal raw
-        text = f"{printable(self.path)}: {printable(self.message)}" if self.path else printable(self.message)
-        if self.hint:
-            text += f"\n  hint: {printable(self.hint)}"
-        return text
+        what, hint = message_and_hint(self)
+        return f"{what}\n  hint: {hint}" if hint else what
+
+
+def message_and_hint(exc: BaseException) -> tuple[str, Optional[str]]:
+    """What ``ckpt`` says about an error, as two parts: the message (the file it is about first) and the
+    hint (None without one), each safe to print (:func:`printable`). ``str()`` of a :class:`CkptError` is
+    ``message`` and, on a second line, ``  hint: hint``; the notebook widgets show the same two parts. Any
+    other exception: ``"TypeName: text"`` and no hint."""
+    if isinstance(exc, CkptError):
+        what = f"{printable(exc.path)}: {printable(exc.message)}" if exc.path else printable(exc.message)
+        return what, (printable(exc.hint) if exc.hint else None)
+    text = str(exc)
+    return printable(f"{type(exc).__name__}: {text}" if text else type(exc).__name__), None
 
 
 class NotACheckpointError(CkptError, FileNotFoundError):
@@ -82,6 +95,17 @@ class UnsupportedCheckpointError(CkptError, ValueError):
     """A valid checkpoint of a kind (format, version, feature) that ckptlib does not handle."""
 
     default_hint = "`ckpt inspect` shows what was found; please report this kind of checkpoint"
+
+
+class PipelineUnknownError(UnsupportedCheckpointError):
+    """A pipeline (``PipelineModule``) checkpoint whose layers would go to the new stages in more than one way
+    (or in none) that its files allow: it records where its layers are, not the partition method, the number
+    of layer specs or which layers use a tied module. The user says it (``plan_reshard(pp_partition=...,
+    pp_layers=..., pp_tied=...)``, ``ckpt reshard --pp-partition/--pp-layers/--pp-tied``)."""
+
+    default_hint = ("say how your PipelineModule places its layers: --pp-partition uniform|parameters|B0,B1,...,Bn "
+                    "(the stage boundaries; Bn = the number of layer specs), --pp-layers N (the number of layer "
+                    "specs) and --pp-tied KEY:I,J (every layer that uses the tied module KEY)")
 
 
 class UnsafeCheckpointError(CkptError, ValueError):

@@ -340,3 +340,127 @@ def test_ui_is_built_on_the_public_api_only():
                 assert not any(a.name.startswith("_") for a in node.names), (path, node.module)
                 assert not any(part.startswith("_") for part in node.module.split(".")), (path, node.module)
     assert set(ui.__all__) >= {"CheckpointBrowser", "LayoutView", "ExportWizard", "ReshardWizard"}
+
+
+# ============================================================================================ finishing
+MESH = "pp2_tp2_dp2_z1_bf16"  # a real DeepSpeed PipelineModule checkpoint: pp 2 x tp 2 x dp 2
+
+
+def described(widget) -> list:
+    """Every widget with a description inside ``widget`` (itself included)."""
+    out = [widget] if getattr(widget, "description", "") else []
+    for child in getattr(widget, "children", ()):
+        out += described(child)
+    return out
+
+
+@pytest.mark.parametrize("make", [lambda out: ExportWizard(SAMPLE, out=out),
+                                  lambda out: ReshardWizard(SAMPLE, out=out)], ids=["export", "reshard"])
+def test_wizard_labels_get_the_room_they_need(make, tmp_path):
+    """ipywidgets gives a description a fixed width and cuts the rest ("tensor ra…"): every field of the
+    wizards has its label at its own width."""
+    w = make(tmp_path / "o")
+    fields = described(w)
+    assert len(fields) >= 6
+    for f in fields:
+        style = getattr(f, "style", None)
+        if style is not None and style.has_trait("description_width"):
+            assert style.description_width == "initial", f.description
+    if isinstance(w, ReshardWizard):
+        assert {"tensor ranks", "expert ranks", "pipeline split"} <= {f.description for f in fields}
+
+
+def test_no_empty_image_before_a_run(tmp_path):
+    w = ReshardWizard(SAMPLE, out=tmp_path / "rs", world_size=3)
+    image = w.monitor.image
+    assert image.layout.display == "none" and not bytes(image.value)  # nothing drawn: nothing shown
+    w.plan_button.click()
+    assert image.layout.display == "none"
+    w.run_button.click()
+    assert w.wait(60) == "done", w.errors.message.value
+    assert w.monitor.idle.wait(60)
+    assert bytes(image.value).startswith(PNG) and image.layout.display == ""  # the chart of the run
+    m = MemoryMonitor(show_button=False)
+    assert m.image.layout.display == "none"
+
+
+def test_reshard_wizard_asks_for_the_pipeline_and_passes_it_to_the_plan(parallel_fixtures, tmp_path, monkeypatch):
+    """A pipeline change the checkpoint does not decide is refused; the pipeline fields then appear, and what
+    the user types there reaches plan_reshard as ckpt reshard reads --pp-partition and --pp-tied."""
+    fx = parallel_fixtures[MESH]
+    out = tmp_path / "rs"
+    seen = []
+    real = ckptlib.plan_reshard
+    monkeypatch.setattr(ckptlib, "plan_reshard", lambda *a, **k: seen.append(k) or real(*a, **k))
+    w = ReshardWizard(fx["checkpoint_path"], out=out, world_size=2)
+    assert w.pipeline.layout.display == "none"                  # not needed so far: not shown
+    w.pp.value = 3
+    w.plan_button.click()
+    assert w.plan is None and w.run_button.disabled
+    assert isinstance(w.errors.errors[-1], ckptlib.errors.PipelineUnknownError)
+    assert "several pipelines" in w.errors.message.value and "--pp-partition" in w.errors.message.value
+    assert w.pipeline.layout.display == ""                      # now it is
+    w.pp_partition.value = "0,3,5,7"
+    w.pp_tied.value = "embed:0,6"
+    w.plan_button.click()
+    assert w.plan is not None, w.errors.message.value
+    assert seen[-1]["pp_partition"] == "0,3,5,7" and seen[-1]["pp_tied"] == {"embed": [0, 6]} and seen[-1]["pp"] == 3
+    assert "boundaries [0, 3, 5, 7]" in " ".join(w.plan.notes)
+    w.run_button.click()
+    assert w.wait(120) == "done", (w.status.value, w.errors.message.value)
+    assert all(c.ok for c in w.verification), w.verification
+    mesh = ckptlib.open_checkpoint(out).mesh
+    assert (mesh.pp, mesh.tp) == (3, 2)
+
+
+def test_reshard_wizard_reads_the_pipeline_fields_as_the_cli_does(tmp_path):
+    from ckptlib.reshard.stages import parse_partition
+
+    w = ReshardWizard(SAMPLE, out=tmp_path / "rs", pp_partition="parameters", pp_layers=9,
+                      pp_tied={"embed": [0, 8]})
+    assert w.pipeline.layout.display == ""                      # given: shown from the start
+    assert w.pipeline_options() == {"pp_partition": "parameters", "pp_layers": 9, "pp_tied": {"embed": [0, 8]}}
+    w.pp_partition.value, w.pp_layers.value, w.pp_tied.value = " 0,4,7 ", "", "embed:0,6; head:2,5 x:1"
+    assert w.pipeline_options() == {"pp_partition": "0,4,7", "pp_tied": {"embed": [0, 6], "head": [2, 5], "x": [1]}}
+    assert parse_partition(w.pipeline_options()["pp_partition"]) == (None, [0, 4, 7])
+    w.pp_partition.value, w.pp_tied.value = "", ""
+    assert w.pipeline_options() == {}
+    w.pp_layers.value = "seven"
+    w.plan_button.click()
+    assert w.plan is None and "--pp-layers &#x27;seven&#x27;" in w.errors.message.value
+    w.pp_layers.value, w.pp_tied.value = "", "embed"            # the CLI's own words for a bad --pp-tied
+    w.plan_button.click()
+    assert "--pp-tied &#x27;embed&#x27;: give KEY:LAYER,LAYER" in w.errors.message.value
+
+
+def test_reshard_wizard_shows_a_refusal_as_the_cli_does(parallel_fixtures, tmp_path, capsys):
+    """The message and the hint ``ckpt reshard`` prints, each in its place; no traceback; the pipeline fields
+    stay hidden for a refusal they cannot help."""
+    import html
+
+    from ckptlib.cli import main
+
+    fx = parallel_fixtures[MESH]
+    for args, needs_pipeline in ((["--tp", "3"], False), (["--pp", "3"], True)):
+        assert main(["reshard", str(fx["checkpoint_path"]), str(tmp_path / "cli"), "--world-size", "2", *args]) == 2
+        err = capsys.readouterr().err
+        head, _, hint = err.strip().partition("\n  hint: ")
+        message = head.removeprefix("ckpt reshard: error: ")
+        assert message != head and hint
+        w = ReshardWizard(fx["checkpoint_path"], out=tmp_path / "o", world_size=2)
+        {"--tp": w.tp, "--pp": w.pp}[args[0]].value = int(args[1])
+        w.plan_button.click()
+        shown = w.errors.message.value
+        assert "class='ckpt-error-message'" in shown and f"white-space:pre-wrap'>{html.escape(message)}</div>" in shown
+        assert f"<b>hint:</b> {html.escape(hint)}</div>" in shown
+        assert "Traceback" not in shown and w.errors.details.outputs == ()
+        assert w.errors.layout.display == "" and w.plan is None
+        assert (w.pipeline.layout.display == "") is needs_pipeline
+
+
+def test_reshard_wizard_plans_again_when_a_size_changes(tmp_path):
+    w = ReshardWizard(SAMPLE, out=tmp_path / "rs", world_size=3)
+    w.plan_button.click()
+    assert w.plan is not None
+    w.world_size.value = 4                                     # inside a box: still an option of the plan
+    assert w.plan is None and w.run_button.disabled and "plan again" in w.plan_view.value

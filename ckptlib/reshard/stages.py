@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from ..deepspeed import Checkpoint
-from ..errors import CkptError, UnsupportedCheckpointError
+from ..errors import CkptError, PipelineUnknownError, UnsupportedCheckpointError
 from ..layout.stages import PARAMETERS, UNIFORM, partition_balanced, partition_uniform, stage_of, validate_parts
 
 LAYER_SLACK = 4          # layer counts tried past the last layer file
@@ -59,6 +59,11 @@ class PipelinePlan:
 
 def _refuse(ck: Checkpoint, why: str, hint: str) -> None:
     raise UnsupportedCheckpointError(why, path=ck.location.tag_dir, hint=hint)
+
+
+def _ask(ck: Checkpoint, why: str) -> None:
+    """Refuse because the user must say how the PipelineModule places its layers (its default hint says how)."""
+    raise PipelineUnknownError(why, path=ck.location.tag_dir)
 
 
 def parse_partition(text: Optional[str]) -> tuple[Optional[str], Optional[list]]:
@@ -154,26 +159,22 @@ def plan_stages(ck: Checkpoint, layers: dict, target_pp: int, source_weights: di
                     "nothing to train", "pick at most as many stages as layers")
     method, explicit = parse_partition(partition)
     tied = dict(tied or {})
-    hint = ("say how your PipelineModule places its layers: --pp-partition uniform|parameters|B0,B1,...,Bn (the "
-            "stage boundaries; Bn = the number of layer specs), --pp-layers N (the number of layer specs) and "
-            "--pp-tied KEY:I,J (every layer that uses the tied module KEY)")
     unknown = sorted(set(tied) - set(facts.file_of_tie))
     if unknown:
-        _refuse(ck, f"--pp-tied names {', '.join(unknown)}, but no layer file holds a tied module of that key "
-                    f"(known: {', '.join(sorted(facts.file_of_tie)) or 'none'})", hint)
+        _ask(ck, f"--pp-tied names {', '.join(unknown)}, but no layer file holds a tied module of that key "
+                 f"(known: {', '.join(sorted(facts.file_of_tie)) or 'none'})")
     for key, positions in tied.items():
         if facts.file_of_tie[key] not in positions:
-            _refuse(ck, f"--pp-tied {key}: layer {facts.file_of_tie[key]} holds its file, so it is one of its uses",
-                    hint)
+            _ask(ck, f"--pp-tied {key}: layer {facts.file_of_tie[key]} holds its file, so it is one of its uses")
     last = max(facts.layers + [i for ps in tied.values() for i in ps] + [-1])
     if explicit is not None:
         why = validate_parts(explicit, target_pp, last + 1)
         if why:
-            _refuse(ck, f"--pp-partition: {why}", hint)
+            _ask(ck, f"--pp-partition: {why}")
         lengths = [explicit[-1]]
     elif num_layers is not None:
         if num_layers <= last:
-            _refuse(ck, f"--pp-layers {num_layers}: the checkpoint has layers up to {last}", hint)
+            _ask(ck, f"--pp-layers {num_layers}: the checkpoint has layers up to {last}")
         lengths = [num_layers]
     else:
         lengths = list(range(last + 1, last + 2 + LAYER_SLACK))
@@ -188,7 +189,7 @@ def plan_stages(ck: Checkpoint, layers: dict, target_pp: int, source_weights: di
         for uses in _use_choices(facts, tied, free):
             tried += 1
             if tried > MAX_CANDIDATES:
-                _refuse(ck, "too many descriptions of the pipeline fit the checkpoint to try them all", hint)
+                _ask(ck, "too many descriptions of the pipeline fit the checkpoint to try them all")
             for m in methods:
                 if m != "explicit" and facts.pp > 1:  # the source's own placement must come out again
                     src = _parts(m, n, facts.pp, _weights(n, uses, source_weights, tie_source_weight))
@@ -202,13 +203,13 @@ def plan_stages(ck: Checkpoint, layers: dict, target_pp: int, source_weights: di
                 if got is not None:
                     found.setdefault(got, (parts, m, n, uses))
     if not found:
-        _refuse(ck, f"no description of the pipeline reproduces where its {facts.pp} stage(s) keep their layers "
-                    "and tied modules", hint)
+        _ask(ck, f"no description of the pipeline reproduces where its {facts.pp} stage(s) keep their layers "
+                 "and tied modules")
     if len(found) > 1:
         alts = list(found.values())[:3]
         say = "; ".join(f"{m} over {n} layers{_uses_text(u)} gives stages {p}" for p, m, n, u in alts)
-        _refuse(ck, f"the checkpoint fits several pipelines that would place layers differently at {target_pp} "
-                    f"stage(s) ({say})", hint)
+        _ask(ck, f"the checkpoint fits several pipelines that would place layers differently at {target_pp} "
+                 f"stage(s) ({say})")
     (by_layer, ties, order), (parts, m, n, uses) = next(iter(found.items()))
     notes = [f"new pipeline: {target_pp} stage(s), boundaries {parts}"
              + ("" if m == "explicit" else f" (every description that reproduces the source's {facts.pp} stage(s) "

@@ -26,7 +26,7 @@ from typing import Optional
 
 from ..deepspeed import Checkpoint, SplitRules
 from ..deepspeed.files import classify
-from ..errors import UnsupportedCheckpointError
+from ..errors import PipelineUnknownError, UnsupportedCheckpointError
 from ..layout.placement import COLUMN, REPLICATED, ROW, VOCABULARY, even_sizes, shard_runs
 from ..mesh import Mesh
 from .stages import PipelinePlan
@@ -222,11 +222,12 @@ def build_target(ck: Checkpoint, mesh: Mesh, rules: Optional[SplitRules], stages
                         _refuse(ck, f"{n}: its optimizer group is not known")
                     groups[g].append(dataclasses.replace(tt, group=g))
             empty = [g for g, members in enumerate(groups) if not members]
-            if empty:
-                _refuse(ck, f"stage {s} of the new mesh would hold no parameter of optimizer group "
-                            f"{', '.join(map(str, empty))}: whether its optimizer then has that group depends on "
-                            "how your code builds the groups, which the checkpoint does not say",
-                        hint="pick stage boundaries (--pp-partition) that give every stage a parameter of every group")
+            if empty:  # the user's stage boundaries (or the only placement found) must change
+                raise PipelineUnknownError(
+                    f"stage {s} of the new mesh would hold no parameter of optimizer group "
+                    f"{', '.join(map(str, empty))}: whether its optimizer then has that group depends on how your code "
+                    "builds the groups, which the checkpoint does not say", path=ck.location.tag_dir,
+                    hint="pick stage boundaries (--pp-partition) that give every stage a parameter of every group")
             ts.groups = groups
             sets[ts.mp] = ts
     tensor_axis = mesh.tp > 1 or any(f.kind == "layer_states" and f.mp_rank is not None for f in ck.files)

@@ -21,6 +21,7 @@ from typing import Callable, Optional, Union
 import ipywidgets as widgets
 
 import ckptlib
+from ckptlib.errors import message_and_hint
 from ckptlib.units import human_bytes
 
 
@@ -40,18 +41,26 @@ class ErrorArea(widgets.VBox):
         self.layout.display = "none"
 
     def show(self, exc: BaseException, context: str = "") -> None:
+        """Show ``exc``: one of ckptlib's errors as ``ckpt`` prints it, its message and its hint
+        (:func:`ckptlib.errors.message_and_hint`) and nothing more; any other exception (a bug) with
+        its traceback."""
         self.errors.append(exc)
-        kind = "error" if isinstance(exc, ckptlib.CkptError) else type(exc).__name__
-        text = str(exc) or type(exc).__name__
+        ours = isinstance(exc, ckptlib.CkptError)
+        kind = "error" if ours else type(exc).__name__
         where = f"{html.escape(context)}: " if context else ""
-        self.message.value = (f"<div style='color:#b71c1c;white-space:pre-wrap'><b>&#9888; {where}{kind}</b><br>"
-                              f"{html.escape(text)}</div>")
-        if not isinstance(exc, ckptlib.CkptError):  # ckptlib's own errors say all there is to say
-            tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-            self.details.outputs = ()
-            self.details.append_stderr(tb)
+        if ours:
+            what, hint = message_and_hint(exc)
         else:
-            self.details.outputs = ()
+            what, hint = str(exc) or type(exc).__name__, None
+        hint_html = (f"<div class='ckpt-error-hint' style='color:#555'><b>hint:</b> {html.escape(hint)}</div>"
+                     if hint else "")
+        self.message.value = (f"<div style='color:#b71c1c;white-space:pre-wrap'><b>&#9888; {where}{kind}</b></div>"
+                              f"<div class='ckpt-error-message' style='color:#b71c1c;white-space:pre-wrap'>"
+                              f"{html.escape(what)}</div>{hint_html}")
+        self.details.outputs = ()
+        if not ours:  # ckptlib's own errors say all there is to say
+            tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+            self.details.append_stderr(tb)
         self.layout.display = ""
 
     def clear(self) -> None:
@@ -184,8 +193,9 @@ def as_checkpoint(checkpoint: Union["ckptlib.Checkpoint", str, os.PathLike]) -> 
 
 
 def png_image(cls: str) -> widgets.Image:
-    """An empty ``Image`` widget for PNGs (see :func:`set_png`), with a CSS class to find it by."""
-    img = widgets.Image(format="png", layout=widgets.Layout(max_width="100%", height="auto"))
+    """An ``Image`` widget for PNGs, with a CSS class to find it by; hidden until :func:`set_png` gives it
+    something to draw (an empty image would show as a blank box)."""
+    img = widgets.Image(format="png", layout=widgets.Layout(max_width="100%", height="auto", display="none"))
     img.add_class(cls)
     return img
 
@@ -197,3 +207,16 @@ def set_png(img: widgets.Image, png: bytes) -> None:
         if img.layout.width != f"{width}px":
             img.layout.width = f"{width}px"
     img.value = png
+    if png and img.layout.display == "none":
+        img.layout.display = ""
+
+
+def full_labels(widget: widgets.Widget) -> widgets.Widget:
+    """Give every description of ``widget`` and the widgets inside it the room its text needs (ipywidgets
+    cuts a label longer than its fixed width to "tensor ra…" otherwise); returns ``widget``."""
+    style = getattr(widget, "style", None)
+    if style is not None and style.has_trait("description_width"):
+        style.description_width = "initial"
+    for child in getattr(widget, "children", ()):
+        full_labels(child)
+    return widget

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import html
 import os
+import re
 import threading
 from pathlib import Path
 from typing import Optional, Union
@@ -25,10 +26,12 @@ import ipywidgets as widgets
 import ckptlib
 from ckptlib.analysis.verify import Check, preflight, verify
 from ckptlib.dtypes import OUTPUT_DTYPES
+from ckptlib.errors import PipelineUnknownError
+from ckptlib.reshard.stages import parse_tied
 from ckptlib.system.memory import process_memory
 from ckptlib.units import human_bytes
 
-from .common import ErrorArea, WidgetObserver, as_checkpoint, find_path, guarded
+from .common import ErrorArea, WidgetObserver, as_checkpoint, find_path, full_labels, guarded
 from .monitor import MemoryMonitor
 
 STEPS = [("options", "1 · options"), ("planned", "2 · plan"), ("running", "3 · run"), ("verifying", "4 · verify"),
@@ -42,6 +45,17 @@ def checks_html(checks: list[Check]) -> str:
     ok = all(c.ok for c in checks)
     head = ("<b style='color:#2e7d32'>verified</b>" if ok else "<b style='color:#b71c1c'>verification FAILED</b>")
     return f"<div class='ckpt-verify'>{head}<table>{rows}</table></div>"
+
+
+def value_widgets(ws: list) -> list:
+    """The widgets holding a value the user sets (text, numbers, choices), inside boxes too."""
+    out = []
+    for w in ws:
+        if isinstance(w, widgets.Box):
+            out += value_widgets(list(w.children))
+        elif isinstance(w, widgets.ValueWidget) and not isinstance(w, (widgets.HTML, widgets.Label)):
+            out.append(w)
+    return out
 
 
 # ============================================================================================ the wizards
@@ -66,7 +80,7 @@ class _Wizard(widgets.VBox):
         self.out = widgets.Text(description="output", value=str(find_path(out, must_exist=False)),
                                 layout=widgets.Layout(width="80%"))
         self.overwrite = widgets.Checkbox(value=False, description="replace the output folder if it is not empty",
-                                          indent=False)
+                                          indent=False, layout=widgets.Layout(width="auto"))
         self.sync = widgets.Checkbox(value=True, indent=False, layout=widgets.Layout(width="auto"),
                                      description="on disk before it appears (survives a power cut; slower)",
                                      tooltip="untick to leave the writing to the kernel after the run, as torch.save "
@@ -89,7 +103,7 @@ class _Wizard(widgets.VBox):
         self.summary.add_class("ckpt-summary-box")
 
         options = self._options()
-        for w in options + [self.out, self.overwrite, self.sync]:
+        for w in value_widgets(options) + [self.out, self.overwrite, self.sync]:
             w.observe(self._on_option, names="value")
         self.plan_button.on_click(self._on_plan)
         self.run_button.on_click(self._on_run)
@@ -103,6 +117,7 @@ class _Wizard(widgets.VBox):
                           widgets.HBox([self.progress, self.status]), self.monitor, self.verify_view, self.summary,
                           self.errors])
         self.add_class(f"ckpt-{self.kind}-wizard")
+        full_labels(self)  # "tensor ranks", not "tensor ra…"
         self._set_state("options")
 
     # ---------------------------------------------------------------- to override
@@ -161,7 +176,7 @@ class _Wizard(widgets.VBox):
     @guarded("plan")
     def _on_plan(self, _=None) -> None:
         if self.running:
-            raise ckptlib.CkptError("a run is in progress; cancel it or wait for it first")
+            raise ckptlib.CkptError("a run is in progress", hint="cancel it or wait for it first")
         self.plan = None
         self.run_button.disabled = True
         self.plan_view.value = self.verdict.value = ""
@@ -193,7 +208,7 @@ class _Wizard(widgets.VBox):
         if self.running:
             return
         if self.plan is None:
-            raise ckptlib.CkptError("make a plan first (the 'Plan' button)")
+            raise ckptlib.CkptError("there is no plan to run", hint="click 'Plan' first, then 'Run'")
         if self._plan_used:  # a plan is executed once; a second run gets a fresh one
             self.plan = self._make_plan()
         plan, self._plan_used = self.plan, True
@@ -323,18 +338,33 @@ class ReshardWizard(_Wizard):
     """Reshard a checkpoint for another mesh (data-parallel size, and tensor, pipeline and expert sizes),
     step by step.
 
+    A pipeline (``PipelineModule``) checkpoint records where its layers are, not how its module places them:
+    when the new mesh could take them in more than one way, the plan is refused with ``ckpt``'s message and
+    hint, and the pipeline fields appear (the split, the number of layer specs, the layers using a tied
+    module: ``ckpt reshard --pp-partition``, ``--pp-layers``, ``--pp-tied``, read the same way).
+
     Args:
         checkpoint: a :class:`ckptlib.Checkpoint` or a path.
         out: the output folder (default ``output/reshard`` under the current folder).
         world_size: the initial data-parallel size (default: twice the current one).
         tp, pp, ep: the initial tensor, pipeline and expert sizes (default: the checkpoint's).
+        pp_partition: ``"uniform"``, ``"parameters"`` or the stage boundaries ``"0,4,7"``; pp_layers: the
+            number of layer specs; pp_tied: ``{key: [layer, ...]}`` or ``"KEY:I,J ..."`` (given: the pipeline
+            fields show from the start).
+        tp_rules: split rules for a checkpoint that records none (as :func:`ckptlib.plan_reshard`).
     """
 
     kind = "reshard"
 
     def __init__(self, checkpoint, out: Union[str, os.PathLike] = "output/reshard", world_size: Optional[int] = None,
-                 tp: Optional[int] = None, pp: Optional[int] = None, ep: Optional[int] = None):
+                 tp: Optional[int] = None, pp: Optional[int] = None, ep: Optional[int] = None,
+                 pp_partition: Optional[str] = None, pp_layers: Optional[int] = None,
+                 pp_tied: Union[None, str, dict] = None, tp_rules=None):
         self._initial = {"dp": world_size, "tp": tp, "pp": pp, "ep": ep}
+        if isinstance(pp_tied, dict):
+            pp_tied = " ".join(f"{k}:{','.join(map(str, v))}" for k, v in pp_tied.items())
+        self._pipeline_initial = (pp_partition or "", "" if pp_layers is None else str(pp_layers), pp_tied or "")
+        self.tp_rules = tp_rules
         super().__init__(checkpoint, out)
 
     def _options(self) -> list:
@@ -351,14 +381,56 @@ class ReshardWizard(_Wizard):
         self.pp = size("pp", mesh.pp, "stages")
         self.ep = size("ep", mesh.ep, "expert ranks")
         self.world_note = widgets.HTML(f"currently pp={mesh.pp} tp={mesh.tp} dp={current} ep={mesh.ep}")
-        return [widgets.HBox([self.world_size, self.tp]), widgets.HBox([self.pp, self.ep]), self.world_note]
+        split, layers, tied = self._pipeline_initial
+        wide = widgets.Layout(width="70%")
+        self.pp_partition = widgets.Text(value=split, description="pipeline split", layout=wide,
+                                         placeholder="uniform, parameters, or the stage boundaries B0,B1,...,Bn",
+                                         tooltip="how the PipelineModule places its layers (ckpt --pp-partition)")
+        self.pp_layers = widgets.Text(value=layers, description="layer specs", layout=wide,
+                                      placeholder="the number of layer specs of the PipelineModule (if asked)",
+                                      tooltip="ckpt --pp-layers")
+        self.pp_tied = widgets.Text(value=tied, description="tied uses", layout=wide,
+                                    placeholder="KEY:I,J: the layers using the tied module KEY, e.g. embed:0,6 "
+                                                "(several: separated by spaces)", tooltip="ckpt --pp-tied")
+        self.pipeline = widgets.VBox([
+            widgets.HTML("<b>pipeline</b>: the checkpoint shows where its layers are, not how the PipelineModule "
+                         "places them at another mesh; say it here as in your training script "
+                         "(<code>partition_method</code>, or the stage boundaries), then Plan again"),
+            self.pp_partition, self.pp_layers, self.pp_tied])
+        self.pipeline.add_class("ckpt-pipeline-fields")
+        self.pipeline.layout.display = "" if any(self._pipeline_initial) else "none"
+        return [widgets.HBox([self.world_size, self.tp]), widgets.HBox([self.pp, self.ep]), self.world_note,
+                self.pipeline]
+
+    def pipeline_options(self) -> dict:
+        """The pipeline fields as :func:`ckptlib.plan_reshard` takes them (empty fields left out), read as
+        ``ckpt reshard`` reads ``--pp-partition``, ``--pp-layers`` and ``--pp-tied``."""
+        out: dict = {}
+        split, layers, tied = self.pp_partition.value.strip(), self.pp_layers.value.strip(), self.pp_tied.value.strip()
+        if split:
+            out["pp_partition"] = split
+        if layers:
+            try:
+                out["pp_layers"] = int(layers)
+            except ValueError:
+                raise ckptlib.CkptError(f"--pp-layers {layers!r}: give the number of layer specs, a whole number",
+                                        hint="leave 'layer specs' empty unless the refusal asks for it") from None
+        if tied:
+            out["pp_tied"] = parse_tied([t for t in re.split(r"[\s;]+", tied) if t])
+        return out
 
     def _make_plan(self):
         mesh = self.checkpoint.mesh
         changed = {k: w.value for k, w, now in (("tp", self.tp, mesh.tp), ("pp", self.pp, mesh.pp),
                                                  ("ep", self.ep, mesh.ep)) if w.value != now}
-        return ckptlib.plan_reshard(self.checkpoint, self.out.value, self.world_size.value,
-                                    overwrite=self.overwrite.value, sync=self.sync.value, **changed)
+        extra = {"tp_rules": self.tp_rules} if self.tp_rules is not None else {}
+        try:
+            return ckptlib.plan_reshard(self.checkpoint, self.out.value, self.world_size.value,
+                                        overwrite=self.overwrite.value, sync=self.sync.value, **changed,
+                                        **self.pipeline_options(), **extra)
+        except PipelineUnknownError:
+            self.pipeline.layout.display = ""  # the mesh change needs the pipeline's description
+            raise
 
     def _execute(self, plan, observer, cancel):
         return ckptlib.reshard(plan, observer=observer, cancel=cancel)
