@@ -225,3 +225,31 @@ def test_export_adapter_refusals(peft_fixtures, ds_fixtures, tmp_path):
     with pytest.raises(CkptError, match="trains no peft adapter"):
         ckptlib.plan_export(plain, tmp_path / "o5", adapter=True)
     shutil.rmtree(ck)
+
+
+# ------------------------------------------------------------------------------------------------ diff
+def test_diff_pairs_deepspeed_names_with_peft_names(peft_fixtures, tmp_path):
+    """ckpt diff CKPT ADAPTER: the checkpoint's names paired with peft's; against the --adapter export every tensor
+    and state is the same; against the Trainer's 16-bit file every name pairs and the note says what it is; an
+    empty adapter file is called empty."""
+    import ckptlib
+    from safetensors.torch import save_file
+
+    from ckptlib.analysis.tensordiff import diff, plan_diff
+
+    for name in ("peft_lora_all_z3_nogather", "peft_dora_z2"):
+        fx = peft_fixtures[name]
+        ckpt = fx["checkpoint_path"]
+        out = tmp_path / name
+        ckptlib.export(ckpt, out, states=["all"])
+        result = diff(ckpt, out, states=True)
+        assert result.tensors and all(t.status == "same" for t in result.tensors), name
+        assert len(result.tensors) == 3 * len(_reference(fx)["fp32"]) + len(result.plan.steps)
+        plan = plan_diff(ckpt, ckpt / A.WEIGHTS_FILE)
+        assert all(i.comparable for i in plan.items), name
+        assert any("paired with peft's saved names" in n for n in plan.notes)
+        assert any("B holds 16-bit copies" in n for n in plan.notes)
+    empty = tmp_path / "empty.safetensors"
+    save_file({}, empty)
+    plan = plan_diff(peft_fixtures["peft_lora_qv_z3"]["checkpoint_path"], empty)
+    assert any("B is an empty adapter file" in n for n in plan.notes)

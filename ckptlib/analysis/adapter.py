@@ -136,4 +136,43 @@ def adapter_lines(d: Optional[dict]) -> list[str]:
     return lines
 
 
-__all__ = ["check_weights_file", "describe_adapter", "adapter_lines", "EMPTY", "SAME", "COPY16", "DIFFERENT", "NAMES"]
+def pair_adapter_names(sa, sb) -> tuple:
+    """``(sa, sb, notes)``: when one side is a checkpoint that trains a peft adapter and the other holds tensors under
+    peft's saved names (an ``--adapter`` export, the Trainer's ``adapter_model.safetensors``) and none under
+    DeepSpeed's, the checkpoint's side renamed to peft's names (its optimizer states ``<key>/<name>`` too), so that
+    the names pair; else both as given. Notes say so, and what the other side is when it is empty or 16-bit."""
+    import dataclasses
+
+    from ..kinds import adapters as A
+
+    for x, y, label in ((sa, sb, "A"), (sb, sa, "B")):
+        if x.kind != "checkpoint" or y.kind == "checkpoint":
+            continue
+        names = [k for k in x.tensors if "/" not in k]
+        if not A.looks_like_adapter(names):
+            continue
+        mapping = {n: got[2] for n in names for got in [A.split(n)] if got}
+        if set(mapping) & set(y.tensors) or (y.tensors and not set(mapping.values()) & set(y.tensors)):
+            continue
+
+        def renamed(k: str) -> str:
+            key, _, name = k.rpartition("/")
+            return (key + "/" if key else "") + mapping.get(name, name)
+
+        new = dataclasses.replace(x, tensors={renamed(k): t for k, t in x.tensors.items()},
+                                  steps=None if x.steps is None else {mapping.get(k, k): v for k, v in x.steps.items()})
+        other = "B" if label == "A" else "A"
+        notes = [f"{label}'s adapter tensors paired with peft's saved names ({len(mapping)} renamed: "
+                 "…lora_A.default.weight as …lora_A.weight, …lora_magnitude_vector.default.weight as "
+                 "…lora_magnitude_vector, …modules_to_save.default.weight as …weight)"]
+        if not y.tensors or all(t.numel == 0 for t in y.tensors.values()):
+            notes.append(f"{other} is an empty adapter file ({len(y.tensors)} tensors, none with an element): the "
+                         "trained weights are only in the checkpoint")
+        elif {t.dtype for t in y.tensors.values()} <= {"bfloat16", "float16"}:
+            notes.append(f"{other} holds 16-bit copies: they differ from the fp32 masters by their rounding "
+                         "(`ckpt inspect` says whether each is exactly the master rounded)")
+        return (new, y, notes) if label == "A" else (y, new, notes)
+    return sa, sb, []
+
+
+__all__ = ["pair_adapter_names", "check_weights_file", "describe_adapter", "adapter_lines", "EMPTY", "SAME", "COPY16", "DIFFERENT", "NAMES"]

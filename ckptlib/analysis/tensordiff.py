@@ -28,6 +28,7 @@ from ..layout.ranges import stored_bytes
 from ..progress import Observer
 from ..system.memory import MemoryReport, watch_memory
 from ..units import human_bytes
+from .adapter import pair_adapter_names
 from .compare import Comparer
 from .scan import json_ready, num, progress_to, scan_peak_bytes
 from .tensorsets import NamedTensor, TensorSet, open_tensor_set
@@ -226,11 +227,12 @@ def plan_diff(a: Union[TensorSet, str, os.PathLike, Any], b: Union[TensorSet, st
             raise CkptError(f"{what} must be a number >= 0, not {v!r}")
     sa = open_tensor_set(a, tag=tag_a, states=states, tp_rules=tp_rules)
     sb = open_tensor_set(b, tag=tag_b, states=states, tp_rules=tp_rules)
+    sa, sb, pair_notes = pair_adapter_names(sa, sb)  # a peft adapter's DeepSpeed names beside peft's
     items = [DiffItem(k, t, sb.tensors.get(k)) for k, t in sa.tensors.items()]
     items += [DiffItem(k, None, t) for k, t in sb.tensors.items() if k not in sa.tensors]
     steps, step_notes = _step_pairs(sa, sb) if states else ([], [])
     return DiffPlan(a=sa, b=sb, items=items, atol=float(atol), rtol=float(rtol), states=states,
-                    chunk_bytes=chunk_bytes, steps=steps, step_notes=step_notes)
+                    chunk_bytes=chunk_bytes, steps=steps, step_notes=pair_notes + step_notes)
 
 
 def _step_pairs(sa: TensorSet, sb: TensorSet) -> tuple[list, list]:

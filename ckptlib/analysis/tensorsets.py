@@ -44,7 +44,7 @@ from ..layout.ranges import StoredRange
 
 CHECKPOINT, EXPORT, UNIVERSAL, DCP = "checkpoint", "export", "universal", "dcp"
 LATEST_UNIVERSAL = "latest_universal"
-WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "adapter_model.safetensors")  # the last: peft's
 
 
 @dataclass(frozen=True)
