@@ -111,7 +111,8 @@ class TreeFile:
     """A torch file written from the object tree ``obj`` (``kind`` says what it is for the user;
     ``rank`` and ``source_ranks``: the target rank it is for, and the source ranks whose bytes it reads;
     ``write_bytes``: the tensor bytes streamed into it; ``size``: the file's exact size, pickle and zip
-    framing included)."""
+    framing included; ``rewrites``: the source file whose tree it writes again unchanged, in the zip format, when
+    it is a file in torch's legacy serialization carried over, see :func:`ckptlib.reshard.trees.carried`)."""
 
     name: str
     kind: str
@@ -121,6 +122,7 @@ class TreeFile:
     rank: Optional[int] = None
     source_ranks: list = field(default_factory=list)
     size: Optional[int] = None
+    rewrites: Optional[str] = None
 
 
 @dataclass

@@ -46,11 +46,12 @@ def test_hostile_file_inside_a_checkpoint_is_refused_by_the_cli(tmp_path):
     assert not marker.exists()
 
 
-def test_legacy_torch_file_is_recognised_and_explained(tmp_path):
+def test_legacy_torch_file_is_read(tmp_path):
+    """torch's legacy serialization is read like a zip file (issue 32; tests/test_legacy.py)."""
     f = tmp_path / "old.pt"
     torch.save({"w": torch.ones(3)}, f, _use_new_zipfile_serialization=False)
-    with pytest.raises(UnsupportedCheckpointError, match="legacy"):
-        open_torch_file(f)
+    with open_torch_file(f) as tf:
+        assert tf.format == "legacy" and torch.equal(tf.obj["w"].read(), torch.ones(3))
 
 
 @pytest.mark.parametrize("content", [b"", b"\x00" * 100, os.urandom(4096)])

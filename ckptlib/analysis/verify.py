@@ -26,8 +26,8 @@ from typing import Callable, Optional
 from ..deepspeed import Checkpoint, open_checkpoint
 from ..errors import CkptError
 from ..io.streaming import DEFAULT_CHUNK_BYTES
-from ..io.torchzip import TensorHandle, open_torch_file
-from ..plan import CopyFile, Plan, TextFile
+from ..io.torchzip import Standin, TensorHandle, open_torch_file
+from ..plan import CopyFile, Plan, TextFile, TreeFile
 from ..system.memory import MemoryVerdict, memory_verdict
 from ..units import human_bytes
 from .compare import Comparer
@@ -110,15 +110,46 @@ def _handle_ranges(obj, what: str) -> list:
     return obj.ranges()
 
 
-def _copies(plan: Plan, out: Path) -> list[Check]:
-    """The files copied as they are (converter scripts, the client's files) equal their sources, and the
-    written text files (``config.json`` with the exported dtype, ``latest``, indexes) say what was planned."""
+def _same_file(source: str, written: Path, cmp: Comparer) -> bool:
+    """Whether torch file ``written`` holds the object tree of ``source``: the same containers, keys and values,
+    every tensor of the same dtype, shape and bits (read from both files)."""
+    def same(a, b) -> bool:
+        if isinstance(a, TensorHandle) or isinstance(b, TensorHandle):
+            return (isinstance(a, TensorHandle) and isinstance(b, TensorHandle) and a.dtype_name == b.dtype_name
+                    and tuple(a.shape) == tuple(b.shape) and a.requires_grad == b.requires_grad
+                    and cmp.equal(a.ranges(), b.ranges(), a.dtype_name))
+        if type(a) is not type(b):
+            return False
+        if isinstance(a, dict):
+            return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+        if isinstance(a, (list, tuple)):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        if isinstance(a, Standin):
+            return same(a.__dict__, b.__dict__)
+        return a == b or (a != a and b != b)  # NaN equals NaN here
+
+    try:
+        with open_torch_file(source) as a, open_torch_file(written) as b:
+            return same(a.obj, b.obj)
+    except CkptError:
+        return False
+
+
+def _copies(plan: Plan, out: Path, cmp: Optional[Comparer] = None) -> list[Check]:
+    """The files copied as they are (converter scripts, the client's files) equal their sources, those written
+    again in the zip format hold their sources' trees, and the written text files (``config.json`` with the
+    exported dtype, ``latest``, indexes) say what was planned."""
     copies = [f for f in plan.files if isinstance(f, CopyFile)]
     checks = []
     if copies:
         bad = [f.name for f in copies if not (out / f.name).is_file() or not filecmp.cmp(f.source, out / f.name,
                                                                                            shallow=False)]
         checks.append(_tally("every copied file equals its source, byte for byte", len(copies), bad))
+    rewritten = [f for f in plan.files if isinstance(f, TreeFile) and f.rewrites]
+    if rewritten and cmp is not None:
+        bad = [f.name for f in rewritten if not _same_file(f.rewrites, out / f.name, cmp)]
+        checks.append(_tally("every file rewritten in the zip format (from torch's legacy serialization) holds its "
+                             "source's objects and tensors, bit for bit", len(rewritten), bad))
     texts = [f for f in plan.finals if isinstance(f, TextFile)]
     bad = [f.name for f in texts if not (out / f.name).is_file() or (out / f.name).read_text() != f.text]
     checks.append(_tally("every written text file (latest, index, config) holds the planned text", len(texts), bad))
@@ -345,7 +376,7 @@ def verify(plan: Plan, out: Optional[os.PathLike] = None, *, chunk_bytes: int = 
     cmp = Comparer(chunk_bytes, progress, cancel)
     try:
         with _open_source(plan) as src:
-            result.checks = do(plan, src, out, cmp, share or Share()) + _copies(plan, out)
+            result.checks = do(plan, src, out, cmp, share or Share()) + _copies(plan, out, cmp)
     finally:
         result.bytes_compared = cmp.compared
         cmp.close()

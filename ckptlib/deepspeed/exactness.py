@@ -56,7 +56,7 @@ def saved_as(ck) -> list[Finding]:
     out = []
     for f, tf in ck.opened_files():
         archive = tf.archive_name
-        if archive == os.path.splitext(f.path.name)[0]:
+        if archive is None or archive == os.path.splitext(f.path.name)[0]:  # None: a legacy file records no name
             continue
         stem = archive[:-3] if archive.endswith(".pt") else archive  # written as NAME.pt.tmp, renamed
         role = fnames.classify(stem + ".pt")

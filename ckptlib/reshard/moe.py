@@ -31,7 +31,7 @@ from ..layout.ranges import Zeros, slice_ranges
 from ..mesh import Mesh
 from ..plan import CopyFile
 from .footprint import RankFootprint, footprint
-from .trees import TreeFiles, batch_note, client_files, converter_scripts, replace
+from .trees import TreeFiles, batch_note, carried, client_files, converter_scripts, replace
 from .zero12 import Zero12Writer
 
 _LOCAL = re.compile(r"^(.*deepspeed_experts\.)(\d+)(\..*)$")
@@ -141,7 +141,7 @@ def expert_files(ck: Checkpoint, writer: ExpertWriter, model_entries: dict) -> l
     for r in range(writer.m):
         name, obj = writer.optim_states(r)
         files.append(trees.make(f"{tag}/{name}", "optim_states", obj, r))
-    files += [CopyFile(f"{tag}/{f.path.name}", os.fspath(f.path), f.bytes) for f in ck.files
+    files += [carried(f"{tag}/{f.path.name}", os.fspath(f.path), f.bytes) for f in ck.files
               if f.kind == fnames.EXPERT_STATES]
     return files + [CopyFile(Path(s).name, s, os.path.getsize(s)) for s in converter_scripts(ck)]
 

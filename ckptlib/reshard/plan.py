@@ -20,7 +20,7 @@ from .autoep import plan_autoep_files
 from .footprint import footprint
 from .mesh_plan import plan_mesh_files
 from .moe import plan_moe_files
-from .trees import TreeFiles, batch_note, client_files, converter_scripts
+from .trees import TreeFiles, batch_note, carried, client_files, converter_scripts
 from .zero3 import Zero3Resharder
 from .zero12 import Zero12Resharder
 
@@ -200,7 +200,7 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
             files.append(trees.make(f"{tag_name}/{name}", "optim_states", obj, r, resharder.feeds(r)))
     for f in ck.files:
         if f.kind not in (fnames.MODEL_STATES, fnames.OPTIM_STATES, fnames.SWAP):
-            files.append(CopyFile(f"{tag_name}/{f.path.name}", os.fspath(f.path), f.bytes))
+            files.append(carried(f"{tag_name}/{f.path.name}", os.fspath(f.path), f.bytes))  # legacy: as zip
     if any(f.kind == fnames.SWAP for f in ck.files):
         notes.append("NVMe offload: the partitions kept in offloaded_tensors/ are written into the .pt files; the "
                      "target has no swap files, so load it with offload_optimizer on cpu or none (DeepSpeed's "
@@ -208,9 +208,9 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
     for script in converter_scripts(ck):
         files.append(CopyFile(Path(script).name, script, os.path.getsize(script)))
     if hf_files:
-        carried, carried_notes = client_files(ck, world_size)
-        files += carried
-        notes += carried_notes
+        client, client_notes = client_files(ck, world_size)
+        files += client
+        notes += client_notes
     note = batch_note(ck, world_size)
     notes += [note] if note else []
     if world_size != ck.partition_count:

@@ -11,7 +11,7 @@ import os
 from typing import Any, Optional
 
 from ..deepspeed import Checkpoint, ZeroSet, hf
-from ..io.torchzip import TensorHandle
+from ..io.torchzip import TensorHandle, classify_file_start, open_torch_file
 from ..io.torchzip.specs import NewTensor
 from ..io.torchzip.trees import as_specs, tree_bytes
 from ..io.torchzip.writer import file_size
@@ -106,6 +106,22 @@ def tree_file(name: str, kind: str, obj: Any, rank: Optional[int] = None,
     return TreeFile(name, kind, obj, read, written, rank, list(source_ranks or []), size=file_size(obj, name))
 
 
+def carried(name: str, path: str, nbytes: int, **where) -> CopyFile | TreeFile:
+    """A file of the tag folder that a target holds as the source does (layer files, expert files, model states
+    of a universal folder): copied byte for byte, or, when it is in torch's legacy serialization, written again
+    in the zip format (the same object tree; the tensor bytes streamed from their ranges), as every torch file
+    ckptlib writes. Its plan entry then names the file it ``rewrites`` (what ``--verify`` compares it with).
+    ``where``: the entry's ``rank`` and ``source_ranks``."""
+    with open(path, "rb") as fh:
+        legacy = classify_file_start(fh.read(16)) == "legacy"
+    if not legacy:
+        return CopyFile(name, path, nbytes, **where)
+    with open_torch_file(path) as tf:
+        out = tree_file(name, "rewritten in the zip format", tf.obj, **where)
+    out.rewrites = path
+    return out
+
+
 def sub_group_size(ck: ZeroSet) -> int:
     zcfg = ck.ds_config.get("zero_optimization") or {}
     return int(float(zcfg.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)))
@@ -154,4 +170,4 @@ def batch_note(ck: Checkpoint, world_size: int) -> Optional[str]:
 
 
 __all__ = ["client_files", "batch_note", "DEFAULT_SUB_GROUP_SIZE", "DROP", "replace", "streamed", "copied", "to_ranges",
-           "optim_prefix", "tree_file", "TreeFiles", "sub_group_size", "converter_scripts"]
+           "optim_prefix", "tree_file", "carried", "TreeFiles", "sub_group_size", "converter_scripts"]

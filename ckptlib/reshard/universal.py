@@ -100,12 +100,12 @@ from ..io.streaming import DEFAULT_CHUNK_BYTES
 from ..io.torchzip import TensorHandle
 from ..kinds.optimizers import WHOLE_PARAMS
 from ..mesh import Rank
-from ..plan import CopyFile, Plan, TextFile
+from ..plan import Plan, TextFile
 from ..units import human_bytes
 from .moe_universal import (EP_NUM_EXPERTS, EXPORT_HINT, IS_EXPERT_PARAM, expert_folders, moe_notes, renamed_groups,
                             stacked_entries, target_ep)
 from .plan import default_workers, every_entry, optimizer_notes, refuse_unplaced_states, refuse_unsupported
-from .trees import client_files, copied, replace, streamed, tree_file
+from .trees import carried, client_files, copied, replace, streamed, tree_file
 
 UNIVERSAL_SUFFIX = "_universal"
 LATEST_UNIVERSAL = "latest_universal"
@@ -351,7 +351,7 @@ def _model_state_files(ck: Checkpoint, utag: str) -> list:
                 out.append(tree_file(f"{utag}/{f.path.name}", "model_states",
                                      dict(obj, universal_checkpoint_info=info), f.dp_rank, where))
                 continue
-        out.append(CopyFile(f"{utag}/{f.path.name}", os.fspath(f.path), f.bytes, rank=f.dp_rank, source_ranks=where))
+        out.append(carried(f"{utag}/{f.path.name}", os.fspath(f.path), f.bytes, rank=f.dp_rank, source_ranks=where))
     return out
 
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 from ...errors import IncompleteCheckpointError
 from . import zipfmt
+from .legacy import MAGIC as LEGACY_MAGIC
+from .legacy import legacy_pickle
 from .unpickler import allowed_global
 
 _STRINGS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "STRING", "BINSTRING", "SHORT_BINSTRING"}
@@ -73,7 +75,7 @@ def globals_in(data: bytes) -> list[PickleGlobal]:
 
 
 def read_pickle(path: str | os.PathLike) -> bytes:
-    """The ``data.pkl`` of a torch zip file, read without unpickling it.
+    """The ``data.pkl`` of a torch zip file (the main pickle of a legacy one), read without unpickling it.
 
     Raises:
         IncompleteCheckpointError: not a readable torch zip file (naming it).
@@ -81,6 +83,8 @@ def read_pickle(path: str | os.PathLike) -> bytes:
     path = os.fspath(path)
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
+        if f.read(len(LEGACY_MAGIC)) == LEGACY_MAGIC:
+            return legacy_pickle(path)
         n = min(size, zipfmt.END_SEARCH_MAX)
         f.seek(size - n)
         tail = f.read(n)

@@ -1,4 +1,5 @@
-"""Open a torch zip checkpoint (``torch.save`` since torch 1.6) without running code or reading tensors.
+"""Open a torch checkpoint file (``torch.save``'s zip format, or its legacy format) without running code or
+reading tensors.
 
 :func:`open_torch_file` reads the zip's central directory (in one read, parsed by :mod:`.zipfmt`), the
 local headers of the pickle and the storages (those close together in one read: a ZeRO-3 model file's
@@ -7,6 +8,10 @@ and returns a :class:`TorchFile` whose ``.obj`` is the unpickled object tree, wi
 every tensor replaced by a :class:`~ckptlib.io.torchzip.handles.TensorHandle`. Tensor bytes are read
 later, on demand, with ``pread``. Every byte read goes through the file's :class:`ReadStats`, so
 callers can show how little was read.
+
+A file in torch's legacy (non-zip) serialization is read by :mod:`.legacy` instead (the file kind decides:
+:func:`classify_file_start`): the same object tree and storages with file offsets, so that everything that
+reads a :class:`TorchFile` reads it unchanged.
 
 Memory: the pickle plus the zip directory (dropped once the pickle is loaded; a file opened through a
 :class:`PickleMemo` holds the pickle it shares with others until its tree is built); never the tensors.
@@ -25,11 +30,12 @@ from ...errors import CkptError, IncompleteCheckpointError, UnsafeCheckpointErro
 from ...layout.ranges import StoredRange
 from . import zipfmt
 from .handles import StorageRef
+from .legacy import MAGIC as _LEGACY_MAGIC
+from .legacy import read_legacy
 from .unpickler import SafeUnpickler
 from .zipfmt import ZipFormatError
 
 _ZIP_MAGIC = b"PK\x03\x04"
-_LEGACY_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
 _NEAR = 8192  # local headers at most this far apart are read in one pread
 
 
@@ -54,7 +60,8 @@ GLOBAL_STATS = ReadStats()
 
 
 def classify_file_start(head: bytes) -> str:
-    """``"zip"``, ``"legacy"`` (pre-1.6 torch serialization), ``"empty"`` or ``"unknown"``."""
+    """``"zip"``, ``"legacy"`` (torch's non-zip serialization: ``_use_new_zipfile_serialization=False``),
+    ``"empty"`` or ``"unknown"``."""
     if not head:
         return "empty"
     if head.startswith(_ZIP_MAGIC):
@@ -109,11 +116,13 @@ class ZipEntry:
 
 
 class TorchFile:
-    """One torch zip file, opened for metadata and ranged reads.
+    """One torch file, opened for metadata and ranged reads.
 
     Attributes:
         path: the file.
         size: its size in bytes.
+        format: ``"zip"``, or ``"legacy"`` (torch's non-zip serialization: no zip entries, no CRC-32, no
+            archive name).
         obj: the unpickled object tree (tensors are :class:`TensorHandle`); built on first use when the
             file was opened with a :class:`PickleMemo` that knew its pickle.
         stats: bytes read from this file so far.
@@ -128,6 +137,8 @@ class TorchFile:
         self.entries: tuple = ()  # every zip member as a ZipEntry, by offset
         self._pickle: Optional[bytes] = None  # kept until the object tree is built (shared with the memo)
         self._lock = threading.Lock()
+        self._prefix: Optional[str] = None
+        self.format = "zip"
         try:
             self._fd = os.open(self.path, os.O_RDONLY)
         except FileNotFoundError as e:
@@ -161,14 +172,10 @@ class TorchFile:
             raise IncompleteCheckpointError(
                 "the file is empty (0 bytes)", path=self.path,
                 hint="the save was probably interrupted; use another tag or re-save the checkpoint")
-        if kind == "legacy":
-            raise UnsupportedCheckpointError(
-                "the file uses torch's legacy (pre-zip) serialization, whose tensor bytes are interleaved "
-                "with the pickle and cannot be read piece by piece",
-                path=self.path,
-                hint="re-save it once in the zip format in a trusted environment: "
-                     "torch.save(torch.load(f, weights_only=False), f2) (DeepSpeed writes legacy files only when "
-                     "\"checkpoint\": {\"checkpoint_serialization\": false} was set)")
+        if kind == "legacy":  # storages located by walking their headers (see .legacy)
+            self.format = "legacy"
+            obj, self._storages = read_legacy(self, self.path, self.size, self._pread)
+            return obj
         if kind != "zip":
             raise IncompleteCheckpointError(
                 "not a torch checkpoint (the file does not start with a zip header)", path=self.path,
@@ -322,11 +329,11 @@ class TorchFile:
         return ref
 
     @property
-    def archive_name(self) -> str:
+    def archive_name(self) -> Optional[str]:
         """The name of the zip archive's top folder (``<name>/data.pkl``): torch names it after the file it
         writes (its name without the extension), ``archive`` when it wrote to a file object. A file renamed
-        or copied over another keeps the name it was saved under."""
-        return self._prefix.rstrip("/")
+        or copied over another keeps the name it was saved under. None for a legacy file (it records none)."""
+        return None if self._prefix is None else self._prefix.rstrip("/")
 
     # ------------------------------------------------------------------ reading
     @property
@@ -424,5 +431,5 @@ class TorchFile:
 
 
 def open_torch_file(path: str | os.PathLike, stats: Optional[ReadStats] = None) -> TorchFile:
-    """Open a torch zip checkpoint for metadata and ranged reads; see :class:`TorchFile`."""
+    """Open a torch checkpoint file (zip or legacy format) for metadata and ranged reads; see :class:`TorchFile`."""
     return TorchFile(path, stats=stats)
