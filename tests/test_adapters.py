@@ -253,3 +253,98 @@ def test_diff_pairs_deepspeed_names_with_peft_names(peft_fixtures, tmp_path):
     save_file({}, empty)
     plan = plan_diff(peft_fixtures["peft_lora_qv_z3"]["checkpoint_path"], empty)
     assert any("B is an empty adapter file" in n for n in plan.notes)
+
+
+# ------------------------------------------------------------------------------------------------ merge
+def _peft_merged(fx, adapter_dir, dtype):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(fx["base_path"], dtype=dtype)
+    return PeftModel.from_pretrained(base, adapter_dir).merge_and_unload().state_dict()
+
+
+def test_merge_equals_peft_merge_and_unload_bit_for_bit(peft_fixtures, tmp_path):
+    """Acceptance (issue 31): every fixture, both --merge-on modes: the merged export holds, bit for bit, what peft's
+    own merge_and_unload() gives on the same base (loaded in bf16 for base-dtype, fp32 for fp32) with the exported
+    fp32 adapter; from_pretrained(OUT) loads it as it is, in that dtype, with every name; the note gives the gap
+    between the modes."""
+    pytest.importorskip("peft")
+    import ckptlib
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from ckptlib.export.merge import merge_adapter
+
+    for fx in peft_fixtures.values():
+        ckpt = fx["checkpoint_path"]
+        adapter_dir = tmp_path / f"{fx['name']}-adapter"
+        ckptlib.export(ckpt, adapter_dir)
+        for mode, dtype in (("base-dtype", torch.bfloat16), ("fp32", torch.float32)):
+            out = tmp_path / f"{fx['name']}-{mode}"
+            result = merge_adapter(ckpt, out, fx["base_path"], merge_on=mode)
+            assert len(result.merged) == {"lora-qv": 4, "lora-all": 14, "dora": 8}[fx["method"]]
+            assert result.replaced == (["lm_head.weight"] if fx["method"] == "lora-all" else [])
+            assert 1e-5 < result.mode_gap < 1e-2 and "apart here" in result.notes[1]
+            theirs = _peft_merged(fx, adapter_dir, dtype)
+            mine = load_file(out / "model.safetensors")
+            assert set(mine) == set(theirs), fx["name"]
+            for k, v in mine.items():
+                assert v.dtype == dtype and torch.equal(v, theirs[k].to(dtype)), (fx["name"], mode, k)
+            model = AutoModelForCausalLM.from_pretrained(out)
+            assert model.dtype == dtype
+            loaded = model.state_dict()
+            assert all(torch.equal(loaded[k], v) for k, v in mine.items())
+
+
+def test_merge_reads_a_sharded_base_and_refuses_with_reasons(peft_fixtures, tmp_path):
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from ckptlib.export.merge import merge_adapter
+
+    fx = peft_fixtures["peft_lora_all_z2"]
+    ckpt = fx["checkpoint_path"]
+    sharded = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(fx["base_path"]).save_pretrained(sharded, max_shard_size="100KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    merge_adapter(ckpt, tmp_path / "one", fx["base_path"])
+    merge_adapter(ckpt, tmp_path / "many", sharded)
+    index = json.loads((tmp_path / "many" / "model.safetensors.index.json").read_text())
+    many = {}
+    for f in sorted(set(index["weight_map"].values())):
+        many.update(load_file(tmp_path / "many" / f))
+    one = load_file(tmp_path / "one" / "model.safetensors")
+    assert set(one) == set(many) and all(torch.equal(one[k], many[k]) for k in one)
+    assert index["metadata"]["total_size"] == sum(v.numel() * v.element_size() for v in one.values())
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "many").dtype == torch.bfloat16
+
+    with pytest.raises(CkptError, match="needs the base model") as e:
+        merge_adapter(ckpt, tmp_path / "x", None)
+    assert e.value.hint == f"ckpt export {ckpt} OUT --merge --base BASE_MODEL_FOLDER"
+    wrong = tmp_path / "wrong"
+    wrong.mkdir()
+    sd = load_file(fx["base_path"] / "model.safetensors")
+    sd["model.layers.1.mlp.up_proj.weight"] = torch.zeros(3, 64)
+    save_file(sd, wrong / "model.safetensors")
+    with pytest.raises(CkptError, match=r"model.layers.1.mlp.up_proj.weight is \[3, 64\], the adapter's is \[172, 64\]"):
+        merge_adapter(ckpt, tmp_path / "x", wrong)
+    sd = load_file(fx["base_path"] / "model.safetensors")
+    del sd["lm_head.weight"]
+    save_file(sd, wrong / "model.safetensors")
+    with pytest.raises(CkptError, match="holds no lm_head.weight"):
+        merge_adapter(ckpt, tmp_path / "x", wrong)
+    assert not (tmp_path / "x").exists()
+
+
+def test_the_cli_merges(peft_fixtures, tmp_path):
+    from tests.cli import assert_refused, run_cli
+
+    fx = peft_fixtures["peft_dora_z3"]
+    code, out, err = run_cli("export", fx["checkpoint_path"], tmp_path / "m", "--merge", "--base", fx["base_path"],
+                             "--merge-on", "fp32")
+    assert code == 0 and "merged 8 weights" in out and "merged on the fp32 base" in out, err
+    assert_refused(*run_cli("export", fx["checkpoint_path"], tmp_path / "n", "--merge"),
+                   ["--merge --base BASE_MODEL_FOLDER"], tmp_path / "n")
+    assert_refused(*run_cli("export", fx["checkpoint_path"], tmp_path / "n", "--merge", "--base", fx["base_path"],
+                            "--states", "all"), ["not with --states"], tmp_path / "n")

@@ -120,12 +120,29 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from .dcp import dcp_options
 
     states = [s for s in (args.states or "").split(",") if s]
+    if args.merge or args.base:
+        return _merge(args, states)
     return _plan_and_run(args, lambda: plan_export(
         args.path, args.out, tag=args.tag, format=args.format, dtype=args.dtype,
         max_shard_size=args.max_shard_size, exclude_frozen=args.exclude_frozen, states=states,
         workers=args.workers, overwrite=args.overwrite, tp_rules=args.tp_rules, hf_files=args.hf_files,
         sync=args.sync, dcp=dcp_options(args), verify_crc=args.verify_crc, model_config=args.model_config,
         adapter=args.adapter, adapter_config=args.adapter_config), "export")
+
+
+def _merge(args: argparse.Namespace, states: list) -> int:
+    from ..export.merge import merge_adapter
+
+    other = [o for o, on in (("--states", states), ("--plan", args.plan), ("--distributed", args.distributed),
+                             ("--format " + args.format, args.format != "safetensors"), ("--verify", args.verify),
+                             ("--dtype", args.dtype != "fp32"), ("--no-adapter", args.adapter is False)) if on]
+    if other:
+        raise CkptError(f"--merge writes the merged model alone, in the dtype --merge-on says: not with {', '.join(other)}")
+    result = merge_adapter(args.path, args.out, args.base, merge_on=args.merge_on, tag=args.tag,
+                           adapter_config=args.adapter_config, overwrite=args.overwrite)
+    if not args.quiet:
+        _say(result.describe())
+    return 0
 
 
 def _cmd_reshard(args: argparse.Namespace) -> int:
@@ -248,6 +265,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "(--no-adapter: the PeftModel's tensors under DeepSpeed's names)")
     p.add_argument("--adapter-config", metavar="adapter_config.json",
                    help="the adapter's config (default: adapter_config.json beside the checkpoint)")
+    p.add_argument("--merge", action="store_true",
+                   help="a peft adapter merged into its base model (--base): the base's safetensors with every "
+                        "targeted weight W + scaling * B @ A (DoRA rescaled) from the fp32 masters and modules_to_save "
+                        "replaced, which from_pretrained(OUT) loads; streamed tensor by tensor; needs torch")
+    p.add_argument("--base", metavar="BASE", help="with --merge: the base model's local folder (save_pretrained's)")
+    p.add_argument("--merge-on", choices=["base-dtype", "fp32"], default="base-dtype",
+                   help="base-dtype (default): merge on the base rounded to the dtype the run trained against and "
+                        "write that dtype (the run's own merge_and_unload()); fp32: merge on the fp32 base, write fp32")
     p.add_argument("--states", help="optimizer states to export too, comma separated (e.g. exp_avg,exp_avg_sq or "
                                     "momentum_buffer), or 'all' for every per-element key the optimizer keeps "
                                     "(`ckpt inspect` lists them per group)")

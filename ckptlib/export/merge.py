@@ -1,0 +1,238 @@
+"""A peft LoRA / DoRA adapter merged into its base model, tensor by tensor: what ``from_pretrained(OUT)`` loads as is.
+
+``BASE`` is a local Hugging Face folder (``model.safetensors``, or shards with their index). The output has the
+base's files and names; every weight a LoRA module targets becomes ``W + scaling · B @ A`` (DoRA: rescaled row by row
+to its magnitude vector), each ``modules_to_save`` weight is the trained one, the rest is the base's. The adapter is
+the checkpoint's fp32 masters. The arithmetic is peft 0.21's ``merge_and_unload()`` on a base loaded in the merge
+dtype with the fp32 adapter, done with torch (as peft does it, so that the result is peft's bit for bit):
+
+- ``merge_on="base-dtype"`` (default): the base is first rounded to the dtype the run trained against (the
+  checkpoint's, e.g. bf16), merged there and written in that dtype: what the run's own ``merge_and_unload()`` gives;
+- ``merge_on="fp32"``: merged on the fp32 base, written in fp32.
+
+The result notes how far the two modes lie apart (the largest difference over the merged weights). Memory: one base
+weight with its merged copy (fp32) and the adapter's factors of that module; never the model.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Union
+
+from ..deepspeed import Checkpoint, hf, open_checkpoint
+from ..deepspeed.adapter import find_adapter
+from ..deepspeed.exactness import require_exact
+from ..dtypes import BY_SHORT, import_torch, itemsize, torch_dtype
+from ..errors import CkptError
+from ..io.stformat import SafetensorsLayout, TensorSpec, read_header
+from ..kinds import adapters as A
+
+MERGE_ON = ("base-dtype", "fp32")
+_COPY_CHUNK = 64 << 20
+
+
+@dataclass
+class MergeResult:
+    out: Path
+    merged: list = field(default_factory=list)       # base weights replaced by W + scaling * B @ A
+    replaced: list = field(default_factory=list)     # modules_to_save weights
+    dtype: str = ""
+    seconds: float = 0.0
+    mode_gap: float = 0.0                             # max |base-dtype merge - fp32 merge| over merged weights
+    notes: list = field(default_factory=list)
+
+    def describe(self) -> str:
+        return "\n".join([f"merged {len(self.merged)} weights, replaced {len(self.replaced)} (modules_to_save), "
+                          f"{self.dtype}, into {self.out} in {self.seconds:.1f} s"] + [f"note: {n}" for n in self.notes])
+
+
+def _base_files(base: Path) -> tuple[list[Path], Optional[Path]]:
+    index = base / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set((json.loads(index.read_text()).get("weight_map") or {}).values()))
+        return [base / n for n in names], index
+    if (base / "model.safetensors").is_file():
+        return [base / "model.safetensors"], None
+    raise CkptError("the base holds no model.safetensors (or shards with model.safetensors.index.json)", path=base,
+                    hint="give the local folder of the base model the adapter was trained on (save_pretrained's)")
+
+
+def _module_of(saved: str) -> tuple[str, str]:
+    """``(base module path, part)`` of a peft saved name (``base_model.model.<m>.lora_A.weight`` -> ``(<m>, lora_A)``;
+    a ``modules_to_save`` tensor: ``(<its name in the base>, "whole")``)."""
+    rest = saved[len(A.PREFIX):]
+    for part in ("lora_A.weight", "lora_B.weight", "lora_magnitude_vector"):
+        if rest.endswith("." + part):
+            return rest[:-len(part) - 1], part.split(".")[0]
+    return rest, "whole"
+
+
+def merge_adapter(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str, os.PathLike],
+                  base: Union[str, os.PathLike, None], *, merge_on: str = "base-dtype", tag: Optional[str] = None,
+                  adapter_config=None, overwrite: bool = False) -> MergeResult:
+    """Merge the checkpoint's peft adapter into ``base`` and write the merged model to ``out`` (see the module
+    docstring). Needs torch (the arithmetic is torch's, as peft's).
+
+    Raises:
+        CkptError: no base (with the command that would do it), no adapter, a method or option whose merge ckptlib
+            has not checked, a base that does not hold a targeted weight or holds it in another shape (named)."""
+    ck = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, tag=tag)
+    if base is None:
+        raise CkptError("merging needs the base model the adapter was trained on", path=ck.location.save_dir,
+                        hint=f"ckpt export {ck.location.save_dir} OUT --merge --base BASE_MODEL_FOLDER")
+    if merge_on not in MERGE_ON:
+        raise CkptError(f"--merge-on takes {' or '.join(MERGE_ON)}, not {merge_on!r}")
+    torch = import_torch("merging an adapter into its base (peft's arithmetic)")
+    require_exact(ck)
+    adapter = find_adapter(ck, adapter_config, required=True)
+    c = adapter.config
+    if c is None:
+        raise CkptError("no adapter_config.json beside the tag", path=ck.location.tag_dir, hint="pass --adapter-config")
+    for key, why in (("fan_in_fan_out", "transposed weights"), ("lora_bias", "a trained bias of lora_B"),
+                     ("rank_pattern", "per-module ranks"), ("alpha_pattern", "per-module alphas")):
+        if c.raw.get(key):
+            raise CkptError(f"the adapter config sets {key} ({why}): ckptlib's merge has not been checked with it",
+                            hint="export the adapter (--adapter), load it with peft and merge_and_unload()")
+    if c.bias != "none" or any(k in (A.EMB_A, A.EMB_B) for k, _ in adapter.names.values()):
+        raise CkptError("the adapter trains biases or embedding factors: ckptlib's merge has not been checked with them",
+                        hint="export the adapter (--adapter), load it with peft and merge_and_unload()")
+    base = Path(base).expanduser().resolve()
+    files, index = _base_files(base)
+    out = Path(out).expanduser().resolve()
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise CkptError("the output folder is not empty", path=out, hint="choose another or pass --overwrite")
+    run_dtype = BY_SHORT[ck.dtype].name if ck.dtype in BY_SHORT else "float32"
+    out_dtype = run_dtype if merge_on == "base-dtype" else "float32"
+
+    modules: dict[str, dict] = {}
+    for name, (kind, saved) in adapter.names.items():
+        module, part = _module_of(saved)
+        modules.setdefault(module if part == "whole" else module + ".weight", {})[part] = name
+    infos = {}
+    for f in files:
+        try:
+            _, tensors = read_header(f)
+        except (OSError, ValueError) as e:
+            raise CkptError(f"not a readable safetensors file ({e})", path=f) from None
+        infos[f] = tensors
+    held = {t.name: t for ts in infos.values() for t in ts}
+    shapes = {p.name: tuple(p.shape) for p in ck.parameters}
+    for module, parts in modules.items():
+        w = held.get(module)
+        if w is None:
+            raise CkptError(f"the base holds no {module}, which the adapter trains", path=base,
+                            hint="give the base model the adapter was trained on")
+        if "whole" in parts:
+            expect = shapes[parts["whole"]]
+        else:
+            expect = (shapes[parts["lora_B"]][0], shapes[parts["lora_A"]][1])
+        if tuple(w.shape) != expect:
+            raise CkptError(f"the base's {module} is {list(w.shape)}, the adapter's is {list(expect)}: "
+                            "another model", path=base, hint="give the base model the adapter was trained on")
+
+    result = MergeResult(out=out, dtype=out_dtype)
+    t0 = time.perf_counter()
+    tmp = out.parent / f".{out.name}.merging-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    td_run, td_out = torch_dtype(run_dtype), torch_dtype(out_dtype)
+    try:
+        for f, tensors in infos.items():
+            layout = SafetensorsLayout([TensorSpec(t.name, out_dtype if _floating(t.dtype) else t.dtype, t.shape)
+                                        for t in tensors])
+            dst = tmp / f.name
+            layout.create(dst)
+            with open(f, "rb") as src, open(dst, "r+b") as w:
+                for t in tensors:
+                    w.seek(layout.tensor_offset(t.name))
+                    parts = modules.get(t.name)
+                    if parts is None and (not _floating(t.dtype) or t.dtype == out_dtype):
+                        src.seek(t.offset)
+                        left = t.nbytes
+                        while left:
+                            buf = src.read(min(left, _COPY_CHUNK))
+                            w.write(buf)
+                            left -= len(buf)
+                        continue
+                    src.seek(t.offset)
+                    value = torch.frombuffer(bytearray(src.read(t.nbytes)), dtype=torch_dtype(t.dtype)).reshape(t.shape)
+                    if parts is None:
+                        value = value.to(td_out)
+                    elif "whole" in parts:
+                        value = ck.read_param(parts["whole"]).to(td_out)
+                        result.replaced.append(t.name)
+                    else:
+                        value, gap = _merged(torch, ck, value, parts, c, td_run if merge_on == "base-dtype" else None)
+                        result.mode_gap = max(result.mode_gap, gap)
+                        result.merged.append(t.name)
+                    w.write(value.contiguous().view(torch.uint8).numpy().tobytes())
+        if index is not None:
+            total = sum(itemsize(out_dtype if _floating(t.dtype) else t.dtype) * _numel(t.shape)
+                        for ts in infos.values() for t in ts)
+            weight_map = json.loads(index.read_text()).get("weight_map") or {}
+            (tmp / index.name).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                     indent=2, sort_keys=True) + "\n")
+        for side in hf.model_side_files(base):
+            target = tmp / side.name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if side.name == hf.CONFIG:
+                target.write_text(hf.config_with_dtype(Path(side.source).read_text(), out_dtype))
+            else:
+                shutil.copyfile(side.source, target)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    result.seconds = time.perf_counter() - t0
+    result.notes = [f"peft {c.method} (r={c.r}, alpha={c.alpha:g}, scaling {c.scaling:g}) merged from the fp32 "
+                    f"masters into {len(result.merged)} weights of {base}"
+                    + (f"; {len(result.replaced)} modules_to_save weights replaced" if result.replaced else ""),
+                    (f"merged on the base rounded to {run_dtype} (the dtype the run trained against), written in "
+                     f"{out_dtype}: what the run's own merge_and_unload() gives; --merge-on fp32 merges on the fp32 "
+                     f"base instead (up to {result.mode_gap:.3g} apart here)") if merge_on == "base-dtype" else
+                    (f"merged on the fp32 base, written in fp32; --merge-on base-dtype merges on the base rounded to "
+                     f"{run_dtype}, as the run trained (up to {result.mode_gap:.3g} apart here)")]
+    return result
+
+
+def _merged(torch, ck: Checkpoint, w, parts: dict, c: A.AdapterConfig, run_dtype):
+    """``(merged weight, gap)``: peft's merge of one module on ``w`` rounded to ``run_dtype`` (None: fp32), and the
+    largest difference from the merge in the other mode."""
+    a = ck.read_param(parts["lora_A"])
+    b = ck.read_param(parts["lora_B"])
+    delta = (b @ a) * c.scaling  # fp32, as peft's get_delta_weight with fp32 factors
+    magnitude = ck.read_param(parts["lora_magnitude_vector"]) if "lora_magnitude_vector" in parts else None
+
+    def merge(base):
+        if magnitude is None:
+            return (base.float() + delta).to(base.dtype)
+        norm = torch.linalg.norm(base + delta, dim=1).to(torch.float32)
+        return ((magnitude / norm).view(-1, 1) * (base + delta)).to(base.dtype)
+
+    w32 = w.to(torch.float32)
+    in_fp32 = merge(w32)
+    if run_dtype is None:
+        other = merge(w32.to(torch.bfloat16) if ck.dtype == "bf16" else w32.to(torch.float16)) \
+            if ck.dtype in ("bf16", "fp16") else in_fp32
+        return in_fp32, float((in_fp32 - other.float()).abs().max()) if other is not in_fp32 else 0.0
+    mine = merge(w32.to(run_dtype))
+    return mine, float((mine.float() - in_fp32).abs().max())
+
+
+def _floating(dtype: str) -> bool:
+    return dtype in ("float32", "bfloat16", "float16", "float64")
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+__all__ = ["merge_adapter", "MergeResult", "MERGE_ON"]
