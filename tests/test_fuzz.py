@@ -258,3 +258,60 @@ def test_every_command_names_the_file_it_finds_damaged(fixture_by_name, parallel
             shutil.rmtree(out, ignore_errors=True)
         _restore(ckpt, original)
     assert seen["refused"] > 5 and seen["problems"] > 2, seen  # the damage reached the pickles and the checks
+
+
+# ============================================================================================ legacy serialization
+LEGACY = ["legacy_z2_bf16_w2", "legacy_z3_bf16_w2", "legacy_pp2_dp1_z1_bf16", "legacy_moe_ep1_z1_bf16"]
+
+
+@pytest.mark.parametrize("name", LEGACY)
+def test_a_mutated_legacy_checkpoint_is_refused_naming_the_file_or_exported_exactly(legacy_fixtures, tmp_path, name):
+    """The same seeded mutations of DeepSpeed's files saved in torch's legacy serialization (tests/fixtures/legacy:
+    ZeRO-2, ZeRO-3, a pipeline with its layer files, MoE with its expert files; issue 32). Every export refuses with
+    one CkptError naming the damaged file (or, for a number of param_shapes changed in the model-states file, the
+    file that disagrees with it and param_shapes' file), or its output is bit-equal to the undamaged export's. What
+    the format cannot reveal is counted apart and must be only that: it records no CRC-32, so damage to tensor bytes
+    the export reads is copied as torch's own loader would read it (every changed byte inside those bytes); it
+    records no file name, so two ZeRO-3 rank files swapped (or a model-states file copied over another, whose
+    frozen chunks nothing else identifies) cannot be told apart, as with zip files re-saved under new names
+    (docs/safety.md). Duplicated optimizer-state files are caught (their partitions compared)."""
+    fx = legacy_fixtures[name]
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(fx["checkpoint_path"], ckpt)
+    tag = ckpt / "global_step2"
+    original = _files(ckpt)
+    clean = ckptlib.plan_export(ckpt, tmp_path / "ref", verify_crc=True, hf_files=False, states=["exp_avg"])
+    used = _read_bytes(clean)
+    ckptlib.export(clean)
+    reference = {p.relative_to(tmp_path / "ref"): p.read_bytes() for p in (tmp_path / "ref").rglob("*") if p.is_file()}
+    rng = random.Random(f"{SEED}-{name}")
+    seen = {"refused": 0, "exact": 0, "tensor bytes": 0, "rank files swapped": 0}
+    for i in range(MUTATIONS):
+        what, changed = _mutate(rng, tag, ckpt, original)
+        out = tmp_path / f"out{i}"
+        try:
+            ckptlib.export(ckpt, out, verify_crc=True, hf_files=False, states=["exp_avg"])
+        except CkptError as e:
+            seen["refused"] += 1
+            assert e.path or str(ckpt) in str(e), (what, str(e))
+            for path, _, _ in changed:
+                named = Path(path).name in str(e)
+                assert named or ("model_states" in path and "param_shapes" in str(e)), (what, str(e))
+            assert not out.exists(), what
+        except Exception as e:  # noqa: BLE001 - anything else is a bug the fuzzing found
+            raise AssertionError(f"{what}: {type(e).__name__}: {e}") from e
+        else:
+            got = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+            if got == reference:
+                seen["exact"] += 1
+            elif changed and all(any(lo < b and a < hi for lo, hi in used.get(p, [])) for p, a, b in changed):
+                seen["tensor bytes"] += 1
+            else:
+                kind = what.split()[0]
+                assert fx["zero_stage"] == 3 and (kind == "swap" or (kind == "duplicate" and "model_states" in what)), \
+                    f"{what}: a successful export differs from the undamaged checkpoint's"
+                seen["rank files swapped"] += 1
+            shutil.rmtree(out)
+        _restore(ckpt, original)
+    assert seen["refused"] > MUTATIONS // 3 and seen["exact"] > 0, seen
+    print(name, seen)

@@ -16,7 +16,13 @@ against every piece of metadata that can reveal it (no tensor data is read):
   computes them in the natural order there);
 - **partition sizes**: checked when the checkpoint is opened (a lean last partition is shorter);
 - **byte-identical partitions**: two ranks' fp32 partitions, and their first optimizer state, whose zip
-  members have the same size and CRC-32 (and are not all zeros) are one partition saved twice.
+  members have the same size and CRC-32 (and are not all zeros) are one partition saved twice. A file in
+  torch's legacy serialization records no CRC-32 (and no name): there the first and last 64 KiB of each
+  are compared, and partitions whose samples agree are compared whole before they are called one.
+
+ZeRO-3 saves the buffers in every rank's model-states file; where those files are in torch's legacy
+serialization (no CRC-32 guards their pickles or bytes), rank 0's buffers, the ones every command reads, are
+compared with every other rank's: shape, dtype and bytes (:func:`legacy_buffers`).
 
 Tensors stored on several ranks (replicated across tensor ranks) must be equal too: :func:`replica_checks`
 gives the range checks a run compares before it writes anything.
@@ -24,6 +30,7 @@ gives the range checks a run compares before it writes anything.
 from __future__ import annotations
 
 import os
+import zlib
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Optional
@@ -36,6 +43,7 @@ from . import files as fnames
 from .records import BF16_OPTIMIZER, NO_ZERO
 
 SAVED_AS, PADDINGS, MAPPINGS, DUPLICATE = "saved_as", "group_paddings", "param_slice_mappings", "duplicate"
+BUFFERS = "buffers"
 
 
 @dataclass(frozen=True)
@@ -93,7 +101,8 @@ def _flat_findings(ck) -> list[Finding]:
                         want.append(lay.tail_padding(k))
                 if [p if isinstance(p, int) else None for p in pads] != want:
                     out.append(Finding((file,), f"its group_paddings {list(pads)} are not those of {rank}'s partition "
-                                                f"({want} by the layout of param_shapes at {world} ranks)", PADDINGS))
+                                                f"({want} by the layout of param_shapes, in {_model_label(zs)}, at {world} "
+                                                f"ranks)", PADDINGS))
             maps = osd.get("param_slice_mappings")
             if round_robin or not isinstance(maps, (list, tuple)):
                 continue
@@ -106,20 +115,56 @@ def _flat_findings(ck) -> list[Finding]:
                 if have != want:
                     wrong = sorted(set(have) ^ set(want) | {n for n in set(have) & set(want) if have[n] != want[n]})
                     out.append(Finding((file,), f"its param_slice_mappings of group {g} do not place the parameters "
-                                                f"where {rank}'s partition holds them ({len(wrong)} of "
+                                                f"where {rank}'s partition holds them by param_shapes, in {_model_label(zs)} "
+                                                f"({len(wrong)} of "
                                                 f"{len(set(have) | set(want))} differ, e.g. {wrong[0]})", MAPPINGS))
                     break
     return out
 
 
+SAMPLE_BYTES = 64 * 1024  # of each end of a legacy file's partition (which records no CRC-32)
+COMPARE_BYTES = 1 << 20  # compared at a time when two samples agree
+
+
 def _member(h) -> Optional[tuple]:
-    """``(size, CRC-32)`` of the zip member holding tensor ``h``, unless unknown or all zeros."""
-    if not isinstance(h, TensorHandle) or h.storage.stored_crc is None or not h.storage.stored_bytes:
+    """``(size, CRC-32)`` of the zip member holding tensor ``h``, unless unknown or all zeros; for a tensor of
+    a legacy file (no CRC-32 recorded), ``("sample", size, CRC-32 of its first and of its last 64 KiB)``."""
+    if not isinstance(h, TensorHandle) or not h.storage.stored_bytes:
         return None
     st = h.storage
+    if st.stored_crc is None:
+        return _sample(h)
     if st.stored_crc == crc32_of_zeros(st.stored_bytes):
         return None
     return st.stored_bytes, st.stored_crc
+
+
+def _sample(h: TensorHandle) -> Optional[tuple]:
+    if not h.nbytes or not h.is_contiguous():
+        return None
+    start, end = h.byte_range()
+    n = min(SAMPLE_BYTES, end - start)
+    head, tail = bytearray(n), bytearray(n)
+    h.storage.file.read_into(start, memoryview(head))
+    h.storage.file.read_into(end - n, memoryview(tail))
+    if not any(head) and not any(tail):
+        return None  # zeros tell nothing
+    return "sample", h.nbytes, zlib.crc32(head), zlib.crc32(tail)
+
+
+def _same_bytes(a: TensorHandle, b: TensorHandle) -> bool:
+    """Whether two contiguous tensors hold the same bytes (read :data:`COMPARE_BYTES` at a time)."""
+    (a0, a1), (b0, b1) = a.byte_range(), b.byte_range()
+    if a1 - a0 != b1 - b0:
+        return False
+    x, y = bytearray(min(COMPARE_BYTES, a1 - a0)), bytearray(min(COMPARE_BYTES, a1 - a0))
+    for done in range(0, a1 - a0, COMPARE_BYTES):
+        n = min(COMPARE_BYTES, a1 - a0 - done)
+        a.storage.file.read_into(a0 + done, memoryview(x)[:n])
+        b.storage.file.read_into(b0 + done, memoryview(y)[:n])
+        if x[:n] != y[:n]:
+            return False
+    return True
 
 
 def duplicates(ck) -> list[Finding]:
@@ -132,16 +177,20 @@ def duplicates(ck) -> list[Finding]:
         groups = len(zs.layouts[0].sub_group_sizes) if zs.zero_stage == 3 else len(zs.layouts)
         keys = [k for k in (zs.optimizer.state_keys if zs.optimizer else []) if k != "step"][:1]
         seen: dict = defaultdict(list)
+        tensors: dict = {}
         for rank in sorted(zs.records.index.optim):
             for g in range(groups):
                 try:
-                    ids = [_member(zs.partition_tensor(rank, g))] + [_member(zs.partition_tensor(rank, g, k))
-                                                                     for k in keys]
+                    tensors[rank, g] = [zs.partition_tensor(rank, g)] + [zs.partition_tensor(rank, g, k) for k in keys]
                 except KeyError:
                     continue
+                ids = [_member(t) for t in tensors[rank, g]]
                 if all(ids):
                     seen[(g, tuple(ids))].append(rank)
-        for (g, _), ranks in sorted(seen.items(), key=lambda kv: (kv[0][0], kv[1][0].dp)):
+        for (g, ids), ranks in sorted(seen.items(), key=lambda kv: (kv[0][0], kv[1][0].dp)):
+            if any(i[0] == "sample" for i in ids):  # samples agree: the same bytes only if the whole agrees
+                ranks = ranks[:1] + [r for r in ranks[1:] if all(
+                    _same_bytes(a, b) for a, b in zip(tensors[ranks[0], g], tensors[r, g]))]
             if len(ranks) > 1:
                 files = tuple(_label(zs, r) for r in ranks)
                 out.append(Finding(files, f"these files hold the same fp32 partition of group {g} and the same "
@@ -150,14 +199,62 @@ def duplicates(ck) -> list[Finding]:
     return out
 
 
+def _model_label(zs) -> str:
+    """The model-states file whose ``param_shapes`` the layout comes from, as the user sees it."""
+    path = os.fspath(zs.model_states_file().path)
+    return next((f.relpath for f in zs.records.files if os.fspath(f.path) == path), path)
+
+
 def _label(zs, rank) -> str:
     path = zs.optim_states_file(rank).path
     return next((f.relpath for f in zs.records.files if os.fspath(f.path) == os.fspath(path)), os.fspath(path))
 
 
+def legacy_buffers(ck) -> list[Finding]:
+    """ZeRO-3 model-states files in torch's legacy serialization whose buffers (the non-empty tensors of
+    ``module``: parameters are empty placeholders there) differ from rank 0's in shape, dtype or bytes."""
+    out = []
+    for _, zs in sorted(ck.sets.items()):
+        if zs.zero_stage != 3:
+            continue
+        ranks = sorted(zs.records.index.optim)
+        try:
+            first = zs.model_states_file(ranks[0]) if ranks else None
+        except IncompleteCheckpointError:
+            continue
+        if first is None or first.format != "legacy" or not isinstance(first.obj.get("module"), dict):
+            continue
+        mine = {k: v for k, v in first.obj["module"].items() if isinstance(v, TensorHandle) and v.numel}
+        for rank in ranks[1:]:
+            try:
+                tf = zs.model_states_file(rank)
+            except IncompleteCheckpointError:
+                continue  # a missing file is a problem of its own
+            if tf is first:
+                continue
+            theirs = tf.obj.get("module") if isinstance(tf.obj, dict) else None
+            theirs = theirs if isinstance(theirs, dict) else {}
+            bad = [k for k, v in mine.items() if not (
+                isinstance(theirs.get(k), TensorHandle) and tuple(theirs[k].shape) == tuple(v.shape)
+                and theirs[k].dtype_name == v.dtype_name
+                and (not v.is_contiguous() or not theirs[k].is_contiguous() or _same_bytes(v, theirs[k])))]
+            if bad:
+                out.append(Finding((_model_file_label(zs, first), _model_file_label(zs, tf)),
+                                   f"the buffers every rank saves differ between these files ({len(bad)}, e.g. "
+                                   f"{bad[0]}): one of them is damaged (files in torch's legacy serialization "
+                                   "record no CRC-32 to tell which)", BUFFERS))
+    return out
+
+
+def _model_file_label(zs, tf) -> str:
+    path = os.fspath(tf.path)
+    return next((f.relpath for f in zs.records.files if os.fspath(f.path) == path), path)
+
+
 def findings(ck) -> list[Finding]:
-    """Every rank file of ``ck`` that does not provably hold what its name says (metadata only)."""
-    return saved_as(ck) + _flat_findings(ck) + duplicates(ck)
+    """Every rank file of ``ck`` that does not provably hold what its name says (metadata only; for files in
+    torch's legacy serialization, which record no CRC-32, a few sampled and compared bytes)."""
+    return saved_as(ck) + _flat_findings(ck) + duplicates(ck) + legacy_buffers(ck)
 
 
 def require_exact(ck) -> None:

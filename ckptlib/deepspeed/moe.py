@@ -112,6 +112,7 @@ def expert_file_problems(fs: OpenedFiles, model: dict) -> list[str]:
         if not keys or any(expert_id(k) != f.expert for k in keys):
             out.append(f"{f.relpath}: holds no tensors of expert {f.expert} (its keys do not name "
                        f"deepspeed_experts.{f.expert}): left over from another run, or damaged")
+    out += _odd_expert_keys(fs)
     if counts is not None:
         have = {(f.layer or 0, f.expert) for f in fs.files if f.kind == fnames.EXPERT_STATES}
         for layer, n in enumerate(counts):
@@ -122,13 +123,42 @@ def expert_file_problems(fs: OpenedFiles, model: dict) -> list[str]:
     return out
 
 
+def _odd_expert_keys(fs: OpenedFiles) -> list[str]:
+    """Expert files of a MoE layer whose keys, with the expert number left out, are not those of the layer's other
+    expert files (every expert of a layer has the same tensors): a damaged name (a file in torch's legacy
+    serialization has no CRC-32 to reveal it) or a file of another model. Those that differ from the most common
+    set are named (every file, when no set is the most common)."""
+    by_layer: dict = collections.defaultdict(dict)
+    for f in (f for f in fs.files if f.kind == fnames.EXPERT_STATES):
+        tf = fs.get(f)
+        if tf is not None and isinstance(tf.obj, dict):
+            keys = frozenset(_EXPERT.sub(lambda m: f"{m.group(1)}*{m.group(3)}", str(k), count=1)
+                             for k, v in tf.obj.items() if isinstance(v, TensorHandle))
+            by_layer[f.layer or 0][f.relpath] = keys
+    out = []
+    for files in by_layer.values():
+        counts = collections.Counter(files.values())
+        if len(counts) < 2:
+            continue
+        (common, n), *rest = counts.most_common()
+        tie = any(m == n for _, m in rest)
+        for name, keys in files.items():
+            if tie or keys != common:
+                odd = sorted(keys - common) or sorted(common - keys)
+                out.append(f"{name}: its tensors are not those of the layer's other expert files "
+                           f"({len(keys ^ common)} names differ, e.g. {odd[0] if odd else '?'}): damaged, or from "
+                           "another model")
+    return out
+
+
 def with_experts(module: dict, experts: dict) -> dict:
     """``module`` with the expert tensors placed where the un-distributed model's ``state_dict`` has them:
     after the last entry of the MoE layer they belong to (its gate), or at the end."""
     out = list(module.items())
     by_layer: dict = collections.OrderedDict()
-    for name, t in experts.items():
-        by_layer.setdefault(name[:name.index("experts.deepspeed_experts.")], []).append((name, t))
+    for name, t in experts.items():  # a name without the marker (damaged) goes last; expert_file_problems names it
+        cut = name.find("experts.deepspeed_experts.")
+        by_layer.setdefault(name[:cut] if cut >= 0 else "\0", []).append((name, t))
     for prefix, items in by_layer.items():
         anchor = max((i for i, (k, _) in enumerate(out) if k.startswith(prefix)), default=len(out) - 1)
         out[anchor + 1:anchor + 1] = items

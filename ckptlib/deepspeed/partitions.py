@@ -83,7 +83,8 @@ def build_zero12(rec: Records, model: dict, model_file: FileInfo, optim_files: l
                 got = t.numel if isinstance(t, TensorHandle) else type(t).__name__
                 rec.problems.append(
                     f"{_who(optim_files, r)} group {g}: the fp32 partition holds {got} elements, but {want} are expected "
-                    f"from param_shapes at {lay.world_size} ranks (element counts do not add up)")
+                    f"from param_shapes (in {model_file.relpath}) at {lay.world_size} ranks (element counts do not "
+                    "add up)")
     trainable = {}
     for g, group in enumerate(param_shapes):
         eg = rec.expert_groups.get(g)
