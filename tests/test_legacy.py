@@ -207,6 +207,27 @@ def test_inspect_and_read_are_bit_exact(legacy_fixtures, name):
             assert _same(ck.read_buffer(n), want), n
 
 
+@pytest.mark.parametrize("name", PARALLEL)
+def test_inspect_of_pipeline_and_moe_files(legacy_fixtures, name):
+    fx = legacy_fixtures[name]
+    r = subprocess.run([sys.executable, "-m", "ckptlib", "inspect", str(fx["checkpoint_path"]), "--json"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["problems"] == [] and info["pp_world_size"] == fx["pp"] and info["dp_world_size"] == fx["dp"]
+    assert set(_ref(fx)["params"]) <= {p["name"] for p in info["parameters"]}
+
+
+def test_moe_reshard_is_verified_and_written_as_zip(legacy_fixtures, tmp_path):
+    fx = legacy_fixtures["legacy_moe_ep1_z1_bf16"]
+    plan = ckptlib.plan_reshard(fx["checkpoint_path"], tmp_path / "out", 1)
+    ckptlib.reshard(plan)
+    checked = verify(plan, tmp_path / "out")
+    assert checked.ok, checked.describe()
+    assert "every file rewritten in the zip format" in checked.describe()
+    assert all(f.read_bytes()[:4] == ZIP_MAGIC for f in (tmp_path / "out").rglob("*.pt"))
+
+
 def _load_st(folder: Path) -> dict:
     sd = {}
     for f in sorted(folder.glob("*.safetensors")):
