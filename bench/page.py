@@ -159,7 +159,7 @@ def mesh_route() -> dict:
 def measure_all(args) -> dict:
     bytecode_as_installed()
     start = dt.datetime.now(dt.timezone.utc)
-    dirty = [line[3:] for line in git("status", "--porcelain", "ckptlib", "bench").splitlines()]
+    dirty = [line.split(maxsplit=1)[1] for line in git("status", "--porcelain", "ckptlib", "bench").splitlines()]
     data = {"command": "python bench/page.py " + " ".join(shlex.quote(a) for a in args.argv), "rounds": args.rounds,
             "commit": git("rev-parse", "--short", "HEAD"), "dirty": dirty, "start": start.isoformat(),
             "load_start": os.getloadavg()[0], "machine": machine(args.checkpoints[0])}
@@ -208,8 +208,8 @@ def at_scale(wall: float, startup: float, params: int) -> float:
 
 
 def span(values: list, fmt: str = "{:.2f}x") -> str:
-    lo, hi = min(values), max(values)
-    return fmt.format(lo) if f"{lo:.2f}" == f"{hi:.2f}" else fmt.format(lo) + "-" + fmt.format(hi)
+    lo, hi = fmt.format(min(values)), fmt.format(max(values))
+    return lo if lo == hi else f"{lo}-{hi}"
 
 
 def run_section(d: dict) -> list[str]:
@@ -283,9 +283,10 @@ def conversions_section(d: dict) -> list[str]:
             if f["writes"] and f["wall"] > GOAL * f["floor"]]
     if over:
         lines[-1] += " Over it: " + ", ".join(over) + "."
-    for key, what in (("zero_to_fp32", "exports"), ("dcp-hand", "DCP exports"), ("ds_to_universal", "reshards"),
-                      ("ds-check", "`check`"), ("ds-diff", "`diff`")):
-        sel = [f for f in ran if f["anchor_key"] == key]
+    for key, what in (("zero_to_fp32", "exports"), ("dcp-hand", "DCP exports of the weights"),
+                      ("ds_to_universal", "reshards"), ("ds-check", "`check`"), ("ds-diff", "`diff`")):
+        # the DCP anchor writes the weights only: the export with the optimizer state is not its peer
+        sel = [f for f in ran if f["anchor_key"] == key and "--optimizer" not in f["label"]]
         if sel:
             lines.append(f"- **Beside {SHORT[key]}** ({what}): {span([f['wall'] / f['ds_wall'] for f in sel])} of "
                          f"its time, in {span([f['peak'] / 2**20 for f in sel], '{:,.0f}')} MiB against its "
@@ -299,6 +300,7 @@ def meaning_section(d: dict) -> list[str]:
     by = {k["name"]: k for k in c["checkpoints"]}
     picks = [("z3_bf16_w4", "export", "Export the fp32 weights of a ZeRO-3 checkpoint to safetensors"),
              ("z3_bf16_w4", "export --dtype bf16", "Export them as bf16"),
+             ("z3_bf16_w4", "export --format dcp", "Export the weights to DCP"),
              ("z3_bf16_w4", "export --format dcp --optimizer", "Export weights and optimizer state to DCP"),
              ("z3_bf16_w4", "reshard 4->2", "Change its data-parallel size"),
              ("pp2_tp2_bf16", "reshard --tp 1", "Change the tensor-parallel size of a pp 2 × tp 2 checkpoint"),
@@ -315,9 +317,11 @@ def meaning_section(d: dict) -> list[str]:
         if f["failed"]:
             ds = f"{SHORT[f['anchor_key']]} fails"
         elif f["ds_wall"]:
-            ds = f"{SHORT[f['anchor_key']]}: {mins(at_scale(f['ds_wall'], c['anchor_startups'][f['anchor_key']], k['parameters']))}"
+            only = " (weights only)" if f["anchor_key"] == "dcp-hand" and "--optimizer" in lab else ""
+            ds = (f"{SHORT[f['anchor_key']]}{only}: "
+                  f"{mins(at_scale(f['ds_wall'], c['anchor_startups'][f['anchor_key']], k['parameters']))}")
             ds_mem = (f"{f['ds_peak'] * SCALE / k['parameters'] / 1e9:,.0f} GB (scaled)" if f["anchor_key"] in WHOLE
-                      else f"{mib(f['ds_peak'])} (as measured)")
+                      else f"{mib(f['ds_peak'])} here")
         rows.append([what, f"`{lab}`", f"**{mins(at_scale(f['wall'], f['startup'], k['parameters']))}**", ds,
                      mib(f["peak"]), ds_mem])
     z3 = by.get("z3_bf16_w4") or c["checkpoints"][0]
@@ -329,9 +333,9 @@ def meaning_section(d: dict) -> list[str]:
              f"machine's CPU and memory allow; a 70 B checkpoint ({size}) does not fit in the page cache, and read "
              "from disk no conversion goes faster than the disk (see \"At 30 GB\"). DeepSpeed's state-dict tools "
              "hold the whole fp32 model in memory, so their peak memory is scaled the same way; `ds_to_universal`'s "
-             "and ckpt's are as measured (ckpt's is its streaming buffers, whatever the tensors' size, plus the "
-             "checkpoint's metadata).",
-             "", table(["at 70 B", "ckpt", "ckpt's time", "DeepSpeed's tool", "ckpt's peak memory",
+             "and ckpt's are as measured here (ckpt's is its streaming buffers, whatever the tensors' size, plus "
+             "the checkpoint's metadata).",
+             "", table(["at 70 B", "ckpt", "ckpt's time", "DeepSpeed's tool", "ckpt's peak memory here",
                          "DeepSpeed's peak memory"], rows)]
     plan = d["planning"]["rows"]
     if plan:
