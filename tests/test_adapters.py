@@ -348,3 +348,46 @@ def test_the_cli_merges(peft_fixtures, tmp_path):
                    ["--merge --base BASE_MODEL_FOLDER"], tmp_path / "n")
     assert_refused(*run_cli("export", fx["checkpoint_path"], tmp_path / "n", "--merge", "--base", fx["base_path"],
                             "--states", "all"), ["not with --states"], tmp_path / "n")
+
+
+# ------------------------------------------------------------------------------------------------ transformers 4.x
+@pytest.fixture(scope="module")
+def peft_tf4_fixtures():
+    from tests.fixtures.peft import factory
+
+    root = factory.ensure_tf4_fixtures(verbose=False)
+    if root is None:
+        pytest.skip(f"{factory.TF4_ENV} names no python with transformers 4.x (tests/fixtures/peft/factory.py)")
+    return {fx["name"]: fx for fx in factory.list_fixtures(root)}
+
+
+def test_transformers_4_runs(peft_tf4_fixtures, tmp_path):
+    """transformers 4.x runs (4.57.1 measured): at ZeRO-3 without the 16-bit gather the Trainer's adapter file is the
+    40-byte empty one and inspect says so; the export loads in peft with no key warning, bit-equal to the live
+    masters; the merge equals peft's merge_and_unload()."""
+    pytest.importorskip("peft")
+    import ckptlib
+    from safetensors.torch import load_file
+
+    from ckptlib.export.merge import merge_adapter
+
+    assert len(peft_tf4_fixtures) == 4
+    for fx in peft_tf4_fixtures.values():
+        assert fx["versions"]["transformers"].startswith("4.")
+        ckpt = fx["checkpoint_path"]
+        status = _inspect(ckpt)[0]["adapter"]["weights_file"]["status"]
+        if fx["gather16"] is False:
+            assert status == "empty" and (ckpt / A.WEIGHTS_FILE).stat().st_size == 40, fx["name"]
+        else:
+            assert status == "16-bit copy of the masters", fx["name"]
+        out = tmp_path / fx["name"]
+        ckptlib.export(ckpt, out)
+        ref = _reference(fx)
+        model, complaints = _load_peft(fx["base_path"], out)
+        assert not complaints
+        params = dict(model.named_parameters())
+        assert all(torch.equal(params[n].detach(), v) for n, v in ref["fp32"].items()), fx["name"]
+        merge_adapter(ckpt, tmp_path / f"{fx['name']}-merged", fx["base_path"])
+        theirs = _peft_merged(fx, out, torch.bfloat16)
+        mine = load_file(tmp_path / f"{fx['name']}-merged" / "model.safetensors")
+        assert all(torch.equal(v, theirs[k]) for k, v in mine.items()), fx["name"]
