@@ -195,6 +195,7 @@ def test_inspect_and_read_are_bit_exact(legacy_fixtures, name):
     info = json.loads(r.stdout)
     assert info["problems"] == [] and info["zero_stage"] == fx["zero_stage"] and info["dp_world_size"] == 2
     assert {p["name"] for p in info["parameters"]} == {p["name"] for p in fx["parameters"]}
+    assert any("torch's legacy serialization" in n and "no CRC-32" in n for n in info["notes"]), info["notes"]
     with ckptlib.open_checkpoint(fx["checkpoint_path"]) as ck:
         assert ck.problems == []
         for n, want in ref["fp32"].items():

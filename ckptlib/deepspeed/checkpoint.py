@@ -93,6 +93,11 @@ class Checkpoint:
         if self.view is not None:
             self.view.set_labels = {mp: self.set_label(mp) for mp in self.sets}
             self.notes += [n for n in self.view.notes if n not in self.notes]
+        legacy = [f for f, tf in self._files.opened() if tf.format == "legacy"]
+        if legacy:
+            self.notes.append(f"{len(legacy)} file(s) in torch's legacy serialization "
+                              "(\"checkpoint_serialization\": false), read like zip files; they record no CRC-32 "
+                              "(nothing for --verify-crc or check to verify) and no archive name (docs/safety.md)")
 
     # ================================================================== what it is
     records = property(lambda self: self.main.records)
