@@ -219,16 +219,6 @@ def test_inspect_of_pipeline_and_moe_files(legacy_fixtures, name):
     assert set(_ref(fx)["params"]) <= {p["name"] for p in info["parameters"]}
 
 
-def test_moe_reshard_is_verified_and_written_as_zip(legacy_fixtures, tmp_path):
-    fx = legacy_fixtures["legacy_moe_ep1_z1_bf16"]
-    plan = ckptlib.plan_reshard(fx["checkpoint_path"], tmp_path / "out", 1)
-    ckptlib.reshard(plan)
-    checked = verify(plan, tmp_path / "out")
-    assert checked.ok, checked.describe()
-    assert "every file rewritten in the zip format" in checked.describe()
-    assert all(f.read_bytes()[:4] == ZIP_MAGIC for f in (tmp_path / "out").rglob("*.pt"))
-
-
 def _load_st(folder: Path) -> dict:
     sd = {}
     for f in sorted(folder.glob("*.safetensors")):
@@ -308,6 +298,14 @@ def reshards(legacy_fixtures, tmp_path_factory):
     outs["legacy_pp2_dp1_z1_bf16"] = out
     job, world = make_job(fx["path"], dp=2, checkpoint_dir=out, name="legacy_pp2_dp1_z1_bf16")
     results.update(par_load_checks([job], world, work / "pp"))
+    fx = legacy_fixtures["legacy_moe_ep1_z1_bf16"]
+    out = outs["legacy_moe_ep1_z1_bf16"] = work / "moe-to-dp1"
+    plan = ckptlib.plan_reshard(fx["checkpoint_path"], out, 1)
+    ckptlib.reshard(plan)
+    checked = verify(plan, out)
+    assert checked.ok and "every file rewritten in the zip format" in checked.describe(), checked.describe()
+    job, world = make_job(fx["path"], dp=1, checkpoint_dir=out, name="legacy_moe_ep1_z1_bf16")
+    results.update(par_load_checks([job], world, work / "moe"))
     return outs, results
 
 
@@ -331,11 +329,12 @@ def test_deepspeed_loads_the_reshard_with_exact_masters_and_moments(reshards, le
         assert torch.equal(loaded["buffers"][n], want), n
 
 
-def test_deepspeed_loads_the_pipeline_reshard_exactly(reshards, legacy_fixtures):
+@pytest.mark.parametrize("name", PARALLEL)
+def test_deepspeed_loads_the_pipeline_and_moe_reshards_exactly(reshards, legacy_fixtures, name):
     outs, results = reshards
-    fx = legacy_fixtures["legacy_pp2_dp1_z1_bf16"]
+    fx = legacy_fixtures[name]
     ref = _ref(fx)
-    got = results["legacy_pp2_dp1_z1_bf16"]
+    got = results[name]
     assert "error" not in got, got.get("error")
     for n, want in ref["params"].items():
         assert _same(got["loaded"]["params"][n], want), n
