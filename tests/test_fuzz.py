@@ -209,19 +209,23 @@ def test_the_extra_length_of_a_zero3_rank_files_local_header_is_refused_naming_t
 
 
 # ======================================================================== every command names the damaged file
-@pytest.mark.parametrize("name", ["z3_fp32_w2", "pp2_tp2_dp1_z1_bf16"])
-def test_every_command_names_the_file_it_finds_damaged(fixture_by_name, parallel_fixtures, tmp_path, name):
+@pytest.mark.parametrize("name", ["z3_fp32_w2", "pp2_tp2_dp1_z1_bf16", "legacy_z3_bf16_w2", "legacy_pp2_dp1_z1_bf16"])
+def test_every_command_names_the_file_it_finds_damaged(fixture_by_name, parallel_fixtures, legacy_fixtures, tmp_path,
+                                                       name):
     """Seeded damage inside one rank file (flipped, overwritten or zeroed bytes, anywhere: pickle, headers,
     tensor data), WITHOUT --verify-crc, through inspect, check --states, export --states and reshard: a refusal
     names the damaged file, and so does at least one of the problems inspect and check list (issue 33: the user
-    must know which of the files to restore; a comparison of two copies names both files)."""
-    fx = parallel_fixtures[name] if name.startswith("pp") else fixture_by_name(name)
+    must know which of the files to restore; a comparison of two copies names both files). Also on files in torch's
+    legacy serialization (ZeRO-3 and a pipeline; issue 32)."""
+    fx = legacy_fixtures[name] if name.startswith("legacy") else parallel_fixtures[name] if name.startswith("pp") \
+        else fixture_by_name(name)
     ckpt = tmp_path / "ckpt"
     shutil.copytree(fx["checkpoint_path"], ckpt)
     tag = ckpt / (ckpt / "latest").read_text().strip()
     original = _files(ckpt)
     files = sorted(tag.glob("*.pt"))
-    to = {"tp": 1} if name.startswith("pp") else {"world_size": 1}
+    to = {"tp": 1} if name.startswith("pp") else {"world_size": 1} if not name.startswith("legacy_pp") \
+        else {"world_size": 2}
     commands = {
         "inspect": lambda out: ckptlib.describe(ckptlib.open_checkpoint(ckpt))["problems"],
         "check": lambda out: [str(p) for p in ckptlib.check(ckpt, states=True).problems],
