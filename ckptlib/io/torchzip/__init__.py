@@ -1,5 +1,6 @@
 """Safe, metadata-first access to torch zip files (no DeepSpeed knowledge here): the zip directory, the
-restricted unpickler and its stand-ins, tensor handles, and the writer.
+restricted unpickler and its stand-ins, tensor handles, and the writer; files in torch's legacy (non-zip)
+serialization are read through the same interface (:mod:`.legacy`).
 
 May import: the rest of :mod:`ckptlib.io` and the layers below it.
 """
