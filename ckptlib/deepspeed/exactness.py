@@ -17,7 +17,7 @@ against every piece of metadata that can reveal it (no tensor data is read):
 - **partition sizes**: checked when the checkpoint is opened (a lean last partition is shorter);
 - **byte-identical partitions**: two ranks' fp32 partitions, and their first optimizer state, whose zip
   members have the same size and CRC-32 (and are not all zeros) are one partition saved twice. A file in
-  torch's legacy serialization records no CRC-32 (and no name): there the first and last 64 KiB of each
+  torch's legacy serialization records no CRC-32 (and no name): there the first and last 4 KiB of each
   are compared, and partitions whose samples agree are compared whole before they are called one.
 
 ZeRO-3 saves the buffers in every rank's model-states file; where those files are in torch's legacy
@@ -122,13 +122,13 @@ def _flat_findings(ck) -> list[Finding]:
     return out
 
 
-SAMPLE_BYTES = 64 * 1024  # of each end of a legacy file's partition (which records no CRC-32)
+SAMPLE_BYTES = 4096  # of each end of a legacy file's partition (which records no CRC-32)
 COMPARE_BYTES = 1 << 20  # compared at a time when two samples agree
 
 
 def _member(h) -> Optional[tuple]:
     """``(size, CRC-32)`` of the zip member holding tensor ``h``, unless unknown or all zeros; for a tensor of
-    a legacy file (no CRC-32 recorded), ``("sample", size, CRC-32 of its first and of its last 64 KiB)``."""
+    a legacy file (no CRC-32 recorded), ``("sample", size, CRC-32 of its first and of its last 4 KiB)``."""
     if not isinstance(h, TensorHandle) or not h.storage.stored_bytes:
         return None
     st = h.storage
