@@ -16,20 +16,27 @@ def _reference(fx):
     return torch.load(fx["reference_paths"][-1], weights_only=False)
 
 
+def _adapter_only(peft_names) -> set:
+    """peft's saved names without the base embedding peft adds for a targeted embedding (save_embedding_layers)."""
+    return {n for n in peft_names if not n.endswith(".base_layer.weight")}
+
+
 def _config(fx):
     return A.parse_config(json.loads((fx["checkpoint_path"] / A.CONFIG_FILE).read_text()))
 
 
 def test_names_map_as_peft_saves_them(peft_fixtures):
     """Every fixture: the mapping of the PeftModel's (DeepSpeed's) names is peft's own get_peft_model_state_dict's."""
-    assert len(peft_fixtures) == 9
+    assert len(peft_fixtures) == 11
     for fx in peft_fixtures.values():
         ref = _reference(fx)
         mapping = A.adapter_names(ref["fp32"], _config(fx))
-        assert {s for _, s in mapping.values()} == set(ref["peft_fp32"]), fx["name"]
+        assert {s for _, s in mapping.values()} == _adapter_only(ref["peft_fp32"]), fx["name"]
         for name, (_, saved) in mapping.items():
             assert torch.equal(ref["fp32"][name], ref["peft_fp32"][saved]), (fx["name"], name)
         assert A.looks_like_adapter(ref["fp32"]) and not A.looks_like_adapter(ref["frozen"])
+    emb = A.counts(A.adapter_names(_reference(peft_fixtures["peft_lora_emb_z3"])["fp32"]))
+    assert emb == {A.LORA_A: 2, A.LORA_B: 2, A.EMB_A: 1, A.EMB_B: 1}
 
 
 def test_config_methods(peft_fixtures):
@@ -93,6 +100,8 @@ def test_inspect_names_the_adapter_and_the_16bit_file(peft_fixtures):
         assert a["modules_to_save"] == (["lm_head"] if fx["method"] == "lora-all" else [])
         assert a["tensors"] == len(_reference(fx)["fp32"]) and not a["base_in_checkpoint"]
         assert a["weights_file"]["status"] == "16-bit copy of the masters", (fx["name"], a["weights_file"])
+        if fx["method"] == "lora-emb" and fx["zero_stage"] == 2:  # at ZeRO-3 the Trainer gives peft no frozen weight
+            assert "base weights peft saves for a targeted embedding" in a["weights_file"]["detail"]
         assert f"adapter     peft {cfg.method}: r={cfg.r}" in text and "16-BIT COPY OF THE MASTERS" in text
         assert "base weights: not in the checkpoint" in text
 
@@ -163,7 +172,7 @@ def test_export_adapter_loads_in_peft_bit_equal_to_the_live_masters(peft_fixture
             ckptlib.export(plan)
             ref = torch.load(ref_path, weights_only=False)
             with safe_open(out / A.WEIGHTS_FILE, "pt") as f:
-                assert set(f.keys()) == set(ref["peft_fp32"])
+                assert set(f.keys()) == _adapter_only(ref["peft_fp32"])
                 for k in f.keys():
                     assert torch.equal(f.get_tensor(k), ref["peft_fp32"][k]), (fx["name"], k)
             model, complaints = _load_peft(fx["base_path"], out)
@@ -283,7 +292,7 @@ def test_merge_equals_peft_merge_and_unload_bit_for_bit(peft_fixtures, tmp_path)
         for mode, dtype in (("base-dtype", torch.bfloat16), ("fp32", torch.float32)):
             out = tmp_path / f"{fx['name']}-{mode}"
             result = merge_adapter(ckpt, out, fx["base_path"], merge_on=mode)
-            assert len(result.merged) == {"lora-qv": 4, "lora-all": 14, "dora": 8}[fx["method"]]
+            assert len(result.merged) == {"lora-qv": 4, "lora-all": 14, "dora": 8, "lora-emb": 3}[fx["method"]]
             assert result.replaced == (["lm_head.weight"] if fx["method"] == "lora-all" else [])
             assert 1e-5 < result.mode_gap < 1e-2 and "apart here" in result.notes[1]
             theirs = _peft_merged(fx, adapter_dir, dtype)

@@ -46,6 +46,13 @@ def check_weights_file(ck: Checkpoint, adapter: Adapter) -> Optional[dict]:
     masters = checkpoint_tensors(ck)
     saved = {s: n for n, (_, s) in adapter.names.items()}
     missing, extra = sorted(set(saved) - set(stored)), sorted(set(stored) - set(saved))
+    # peft saves a targeted embedding's base weight too (save_embedding_layers="auto"): frozen, not in the checkpoint
+    base_copies = [n for n in extra if n.endswith(".base_layer.weight")]
+    extra = [n for n in extra if n not in base_copies]
+    if base_copies:
+        out["detail"] = f"beside the adapter, {len(base_copies)} base weights peft saves for a targeted embedding " \
+                        f"({base_copies[0]}), not compared: the checkpoint holds no frozen weight"
+        stored = {k: v for k, v in stored.items() if k not in base_copies}
     if missing or extra:
         out["status"] = NAMES
         out["detail"] = (f"{len(missing)} of the checkpoint's adapter tensors not in it"
@@ -73,6 +80,7 @@ def check_weights_file(ck: Checkpoint, adapter: Adapter) -> Optional[dict]:
             differ.append(f"{s} ({d.changed:,} of {d.numel:,} elements, max |diff| {d.max_abs_diff:.3g})")
     finally:
         cmp.close()
+    first = out["detail"]
     if exact:
         out["status"] = SAME
     elif rounded:
@@ -82,6 +90,7 @@ def check_weights_file(ck: Checkpoint, adapter: Adapter) -> Optional[dict]:
         out["status"] = DIFFERENT
         out["detail"] = f"{len(differ)} tensors differ from the masters: " + "; ".join(differ[:3]) + \
             (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
+    out["detail"] = "; ".join(d for d in (out["detail"], first) if d)
     return out
 
 

@@ -60,6 +60,10 @@ def adapter_sets(ck: Checkpoint, out_dtype: str, states: Sequence[str], adapter:
              "load with PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), OUT), BASE the model it "
              "was trained on",
              f"base weights {found.base_line()}"]
+    if any(k in (A.EMB_A, A.EMB_B) for k, _ in names.values()) and not found.frozen:
+        notes.append("peft's own save of an adapter on an embedding adds that embedding's base weight "
+                     "(…base_layer.weight, save_embedding_layers='auto'); it is frozen, so not in the checkpoint: "
+                     "PeftModel.from_pretrained takes it from the base model")
     return files, finals, side, notes
 
 

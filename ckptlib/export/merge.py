@@ -1,8 +1,8 @@
 """A peft LoRA / DoRA adapter merged into its base model, tensor by tensor: what ``from_pretrained(OUT)`` loads as is.
 
 ``BASE`` is a local Hugging Face folder (``model.safetensors``, or shards with their index). The output has the
-base's files and names; every weight a LoRA module targets becomes ``W + scaling · B @ A`` (DoRA: rescaled row by row
-to its magnitude vector), each ``modules_to_save`` weight is the trained one, the rest is the base's. The adapter is
+base's files and names; every weight a LoRA module targets becomes ``W + scaling · B @ A`` (an embedding's: ``(B @ A)ᵀ``;
+DoRA: rescaled row by row to its magnitude vector), each ``modules_to_save`` weight is the trained one, the rest is the base's. The adapter is
 the checkpoint's fp32 masters. The arithmetic is peft 0.21's ``merge_and_unload()`` on a base loaded in the merge
 dtype with the fp32 adapter, done with torch (as peft does it, so that the result is peft's bit for bit):
 
@@ -67,7 +67,7 @@ def _module_of(saved: str) -> tuple[str, str]:
     """``(base module path, part)`` of a peft saved name (``base_model.model.<m>.lora_A.weight`` -> ``(<m>, lora_A)``;
     a ``modules_to_save`` tensor: ``(<its name in the base>, "whole")``)."""
     rest = saved[len(A.PREFIX):]
-    for part in ("lora_A.weight", "lora_B.weight", "lora_magnitude_vector"):
+    for part in ("lora_A.weight", "lora_B.weight", "lora_magnitude_vector", "lora_embedding_A", "lora_embedding_B"):
         if rest.endswith("." + part):
             return rest[:-len(part) - 1], part.split(".")[0]
     return rest, "whole"
@@ -99,9 +99,9 @@ def merge_adapter(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[st
         if c.raw.get(key):
             raise CkptError(f"the adapter config sets {key} ({why}): ckptlib's merge has not been checked with it",
                             hint="export the adapter (--adapter), load it with peft and merge_and_unload()")
-    if c.bias != "none" or any(k in (A.EMB_A, A.EMB_B) for k, _ in adapter.names.values()):
-        raise CkptError("the adapter trains biases or embedding factors: ckptlib's merge has not been checked with them",
-                        hint="export the adapter (--adapter), load it with peft and merge_and_unload()")
+    if c.bias != "none" or (c.use_dora and any(k in (A.EMB_A, A.EMB_B) for k, _ in adapter.names.values())):
+        raise CkptError("the adapter trains biases, or DoRA on an embedding: ckptlib's merge has not been checked with "
+                        "them", hint="export the adapter (--adapter), load it with peft and merge_and_unload()")
     base = Path(base).expanduser().resolve()
     files, index = _base_files(base)
     out = Path(out).expanduser().resolve()
@@ -130,6 +130,8 @@ def merge_adapter(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[st
                             hint="give the base model the adapter was trained on")
         if "whole" in parts:
             expect = shapes[parts["whole"]]
+        elif "lora_embedding_A" in parts:  # A [r, vocab], B [hidden, r]: the embedding is [vocab, hidden]
+            expect = (shapes[parts["lora_embedding_A"]][1], shapes[parts["lora_embedding_B"]][0])
         else:
             expect = (shapes[parts["lora_B"]][0], shapes[parts["lora_A"]][1])
         if tuple(w.shape) != expect:
@@ -211,12 +213,16 @@ def merge_adapter(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[st
 def _merged(torch, ck: Checkpoint, w, parts: dict, c: A.AdapterConfig, run_dtype):
     """``(merged weight, gap)``: peft's merge of one module on ``w`` rounded to ``run_dtype`` (None: fp32), and the
     largest difference from the merge in the other mode."""
-    a = ck.read_param(parts["lora_A"])
-    b = ck.read_param(parts["lora_B"])
-    delta = (b @ a) * c.scaling  # fp32, as peft's get_delta_weight with fp32 factors
+    embedding = "lora_embedding_A" in parts
+    a = ck.read_param(parts["lora_embedding_A" if embedding else "lora_A"])
+    b = ck.read_param(parts["lora_embedding_B" if embedding else "lora_B"])
+    # fp32, as peft's get_delta_weight with fp32 factors (an embedding's: B @ A transposed, then scaled)
+    delta = (b @ a).T * c.scaling if embedding else (b @ a) * c.scaling
     magnitude = ck.read_param(parts["lora_magnitude_vector"]) if "lora_magnitude_vector" in parts else None
 
     def merge(base):
+        if embedding:  # peft adds the delta rounded to the weight's dtype first
+            return base + delta.to(base.dtype)
         if magnitude is None:
             return (base.float() + delta).to(base.dtype)
         norm = torch.linalg.norm(base + delta, dim=1).to(torch.float32)
