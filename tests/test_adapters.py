@@ -344,6 +344,11 @@ def test_merge_reads_a_sharded_base_and_refuses_with_reasons(peft_fixtures, tmp_
     with pytest.raises(CkptError, match="holds no lm_head.weight"):
         merge_adapter(ckpt, tmp_path / "x", wrong)
     assert not (tmp_path / "x").exists()
+    with pytest.raises(CkptError, match="would hold, or be inside, the base"):
+        merge_adapter(ckpt, fx["base_path"], fx["base_path"], overwrite=True)
+    with pytest.raises(CkptError, match="would hold, or be inside, the checkpoint"):
+        merge_adapter(ckpt, ckpt / "merged", fx["base_path"])
+    assert (fx["base_path"] / "model.safetensors").is_file()
 
 
 def test_the_cli_merges(peft_fixtures, tmp_path):

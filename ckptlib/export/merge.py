@@ -105,6 +105,10 @@ def merge_adapter(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[st
     base = Path(base).expanduser().resolve()
     files, index = _base_files(base)
     out = Path(out).expanduser().resolve()
+    for what, folder in (("the base", base), ("the checkpoint", Path(ck.location.save_dir).resolve())):
+        if out == folder or folder in out.parents or out in folder.parents:
+            raise CkptError(f"the output folder would hold, or be inside, {what} ({folder})", path=out,
+                            hint="write the merged model into a folder of its own")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise CkptError("the output folder is not empty", path=out, hint="choose another or pass --overwrite")
     run_dtype = BY_SHORT[ck.dtype].name if ck.dtype in BY_SHORT else "float32"
