@@ -405,3 +405,25 @@ def test_transformers_4_runs(peft_tf4_fixtures, tmp_path):
         theirs = _peft_merged(fx, out, torch.bfloat16)
         mine = load_file(tmp_path / f"{fx['name']}-merged" / "model.safetensors")
         assert all(torch.equal(v, theirs[k]) for k, v in mine.items()), fx["name"]
+
+
+def test_a_save_with_the_base_weights(peft_fixtures, tmp_path):
+    """engine.save_checkpoint without exclude_frozen_parameters: inspect says the base weights are in the checkpoint;
+    the adapter export (config given: none is beside it) leaves them out, says so, and loads in peft bit-equal."""
+    import ckptlib
+
+    for name in ("peft_lora_all_z3", "peft_dora_z2"):
+        fx = peft_fixtures[name]
+        full = fx["full_save_path"]
+        a = _inspect(full)[0]["adapter"]
+        assert a["base_in_checkpoint"] and a["method"] is None and a["weights_file"] is None
+        with pytest.raises(CkptError, match="no adapter_config.json is beside the tag"):
+            ckptlib.plan_export(full, tmp_path / "x")
+        plan = ckptlib.plan_export(full, tmp_path / name, adapter_config=fx["checkpoint_path"] / A.CONFIG_FILE)
+        assert any("in the checkpoint too" in n for n in plan.notes)
+        ckptlib.export(plan)
+        model, complaints = _load_peft(fx["base_path"], tmp_path / name)
+        assert not complaints
+        params = dict(model.named_parameters())
+        ref = _reference(fx)
+        assert all(torch.equal(params[n].detach(), v) for n, v in ref["fp32"].items()), name
