@@ -88,7 +88,8 @@ def optim_fixtures() -> dict:
 
 @pytest.fixture(scope="session")
 def peft_fixtures() -> dict:
-    """LoRA / DoRA adapters trained through the HF Trainer + DeepSpeed (tests/fixtures/peft)."""
+    """LoRA / DoRA adapters trained through the HF Trainer + DeepSpeed (tests/fixtures/peft); skipped without peft."""
+    pytest.importorskip("peft", reason="the peft fixtures train with peft (pip install peft==0.21.2)")
     return _family("tests.fixtures.peft.factory")
 
 
