@@ -42,6 +42,8 @@ else
   echo "NOTE: libaio-dev is missing, so the NVMe tests in tests/test_nvme.py will be SKIPPED." >&2
   echo "      To run them: sudo apt-get install libaio-dev   (Debian/Ubuntu), then run this script again." >&2
 fi
+# the peft fixtures' transformers 4.x runs (scripts/setup.sh makes .venv-tf4)
+[ -x .venv-tf4/bin/python ] && export CKPTLIB_PEFT_TF4_PYTHON="$PWD/.venv-tf4/bin/python"
 status=0
 .venv/bin/python -m pytest "$@" || status=$?
 if [ -n "$builder" ] && kill -0 "$builder" 2>/dev/null; then
