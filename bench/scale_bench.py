@@ -1,7 +1,8 @@
 """The seed's promise at scale (issue 33): export and reshard a ZeRO-3 bf16 checkpoint larger than the page
 cache under a 512 MiB data limit, against the disk's own rate and against DeepSpeed's ``zero_to_fp32``.
 
-    python bench/scale_bench.py --make          # write the 30 GB checkpoint, run everything, delete it
+    python bench/scale_bench.py --make --cgroup --dd-write-size 10   # write the 30 GB checkpoint, run all, delete it
+    python bench/scale_bench.py --make --layers 9 --steps reshard --cgroup --extend "why"   # 25.3 GB, added
     python bench/scale_bench.py --checkpoint DIR --steps dd,export --keep
 
 The checkpoint is synthetic (DeepSpeed cannot train a model this size here): ``make_synthetic_checkpoint.py
@@ -14,15 +15,17 @@ benchmarks) and starts with the page cache dropped):
 
 - ``dd``: the disk's own rates: every checkpoint file read with ``dd iflag=direct`` (the same bytes the tools
   read), and a write of ``--dd-write-size`` (default: the size of the checkpoint, less if the disk cannot hold
-  it with ``--margin`` free) with ``conv=fdatasync`` (ckpt also syncs its output before it appears);
+  it with ``--margin`` free) with ``conv=fdatasync`` and with ``oflag=direct``, the faster taken;
 - ``export``: ``ckpt export`` (fp32 safetensors) under ``ulimit -d`` of ``--limit-mib``; then its output
   checked: ``ckpt diff`` against the checkpoint (every tensor, exact), and a spot check independent of
   ckptlib (windows across every rank boundary of six tensors against the generator's values);
 - ``reshard``: ``ckpt reshard --world-size --to-dp`` under the same limit; then ``ckpt diff --states``
   against the checkpoint (every master and optimizer state, exact); skipped, saying so, when the disk
-  cannot hold the output with ``--margin`` free;
-- ``zero_to_fp32``: DeepSpeed's converter under the same limit, then under ``--z2f-limit-gib`` (a safety
-  limit so that the machine keeps working; ``ulimit -d`` too): exit code, error, wall time, peak memory.
+  cannot hold the output with ``--margin`` free (then ``--make --layers 9 --steps reshard --extend WHY`` runs
+  it on a smaller checkpoint of the same generator and adds it to the same JSON and line);
+- ``zero_to_fp32``: DeepSpeed's converter under ``ulimit -d`` of the limit, in a memory cgroup of the limit
+  (with ``--cgroup``), and without a limit but in a cgroup of ``--z2f-limit-gib`` as a safety net (an OOM
+  kill stays inside it): exit code, error, wall time, peak memory.
 
 ``--cgroup`` also runs each ckpt step in a memory cgroup of ``--limit-mib`` (v1 ``memory.limit_in_bytes`` or v2
 ``memory.max``; page cache included) when the machine allows one. Every output is deleted after its step;
@@ -88,17 +91,18 @@ def limited(cmd: list, data_kib: int | None, cgroup: Path | None = None) -> list
     return ["bash", "-c", pre + 'exec "$@"', "bash", *map(str, cmd)]
 
 
-def make_cgroup(limit: int) -> tuple[Path | None, str]:
-    """A memory cgroup limited to ``limit`` bytes (page cache included), or None and why not."""
+def make_cgroup(limit: int, name: str = "ckpt") -> tuple[Path | None, str]:
+    """A memory cgroup limited to ``limit`` bytes (page cache included; over it the kernel reclaims the
+    cache, then OOM-kills inside the cgroup only), or None and why not."""
     base = Path("/sys/fs/cgroup")
     try:
         if (base / "memory").is_dir():  # v1
-            cg = base / "memory" / f"ckptlib-scale-{os.getpid()}"
+            cg = base / "memory" / f"ckptlib-scale-{name}-{os.getpid()}"
             cg.mkdir(exist_ok=True)
             (cg / "memory.limit_in_bytes").write_text(str(limit))
             return cg, "cgroup v1 memory.limit_in_bytes"
         if (base / "cgroup.controllers").is_file() and "memory" in (base / "cgroup.controllers").read_text():
-            cg = base / f"ckptlib-scale-{os.getpid()}"
+            cg = base / f"ckptlib-scale-{name}-{os.getpid()}"
             cg.mkdir(exist_ok=True)
             (cg / "memory.max").write_text(str(limit))
             return cg, "cgroup v2 memory.max"
@@ -116,8 +120,20 @@ def cgroup_peak(cg: Path) -> int | None:
 
 def reset_cgroup_peak(cg: Path | None) -> None:
     if cg is not None:
-        with contextlib.suppress(OSError):
-            (cg / "memory.max_usage_in_bytes").write_text("0")
+        for name in ("memory.max_usage_in_bytes", "memory.failcnt"):
+            with contextlib.suppress(OSError):
+                (cg / name).write_text("0")
+
+
+def cgroup_oom_kills(cg: Path) -> int | None:
+    """OOM kills inside the cgroup so far (v1 memory.oom_control, v2 memory.events)."""
+    for name, key in (("memory.oom_control", "oom_kill"), ("memory.events", "oom_kill")):
+        with contextlib.suppress(OSError, ValueError):
+            for ln in (cg / name).read_text().splitlines():
+                k, _, v = ln.partition(" ")
+                if k == key:
+                    return int(v)
+    return None
 
 
 def remove_cgroup(cg: Path | None) -> None:
@@ -170,19 +186,21 @@ def step_dd(args, ck: Path, work: Path, out: dict) -> None:
         size, note = max(room, 0) // (16 * MIB) * 16 * MIB, f"write size cut to {max(room, 0) / GB:.1f} GB to keep {args.margin:g} GB free"
     count = size // (16 * MIB)
     target = work / "dd-write.bin"
-    with bench_lock(args.lock):
-        drop()
-        t0 = time.perf_counter()
-        subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=16M", f"count={count}", "conv=fdatasync",
-                        "status=none"], check=True)
-        t_write = time.perf_counter() - t0
-        target.unlink()
+    writes = {}
+    for how in ("conv=fdatasync", "oflag=direct") if count else ():  # through the cache and synced, or direct
+        with bench_lock(args.lock):
+            drop()
+            t0 = time.perf_counter()
+            subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=16M", f"count={count}", how, "status=none"],
+                           check=True)
+            writes[how] = round(count * 16 * MIB / (time.perf_counter() - t0) / 1e6, 1)
+            target.unlink()
     out["dd"] = {"read_bytes": total, "read_s": round(t_read, 2), "read_MBps": round(total / t_read / 1e6, 1),
-                 "write_bytes": count * 16 * MIB, "write_s": round(t_write, 2),
-                 "write_MBps": round(count * 16 * MIB / t_write / 1e6, 1), "note": note,
-                 "how": "dd iflag=direct bs=16M of every checkpoint file; dd if=/dev/zero bs=16M conv=fdatasync"}
+                 "write_bytes": count * 16 * MIB, "write_MBps_each": writes, "write_MBps": max(writes.values(), default=0),
+                 "note": note, "how": "dd iflag=direct bs=16M of every checkpoint file; dd if=/dev/zero bs=16M "
+                                      "conv=fdatasync and oflag=direct, the faster taken as the disk's write rate"}
     print(f"  dd: read {total / GB:.1f} GB at {out['dd']['read_MBps']:.0f} MB/s, write {count * 16 * MIB / GB:.1f} GB "
-          f"at {out['dd']['write_MBps']:.0f} MB/s {note}", flush=True)
+          f"at {writes} MB/s {note}", flush=True)
 
 
 def spot_check_export(export: Path, seed: int, ranks: int) -> dict:
@@ -282,19 +300,49 @@ def step_reshard(args, ck: Path, work: Path, out: dict, cgroup) -> None:
 
 
 def step_zero_to_fp32(args, ck: Path, work: Path, out: dict) -> None:
+    """DeepSpeed's converter under ``ulimit -d`` of the limit, in a memory cgroup of the limit (page cache
+    included: its mmap of the rank files is allowed, what it keeps is not), and "without the limit": no
+    ulimit, in a cgroup of ``--z2f-limit-gib`` only so that the machine keeps working (an OOM kill there is
+    reported; ``ulimit -d`` cannot be that safety net: it counts the rank files' private mmaps, 30 GB)."""
     dest = work / "zero_to_fp32"
     runs = {}
-    for label, kib in ((f"{args.limit_mib} MiB", args.limit_mib * 1024),
-                       (f"{args.z2f_limit_gib} GiB", args.z2f_limit_gib * 1024 * 1024)):
-        shutil.rmtree(dest, ignore_errors=True)
-        with bench_lock(args.lock):
-            res = timed(limited(zero_to_fp32(ck, dest), kib), f"zero_to_fp32 under {label}", dest)
-        err = [ln for ln in res["stderr_tail"] if ln.strip()]
-        res["outcome"] = ("ok" if res["returncode"] == 0 else
-                          "killed (signal %d)" % -res["returncode"] if res["returncode"] < 0 else
-                          (err[-1][:300] if err else f"exit {res['returncode']}"))
-        runs[label] = res
-        shutil.rmtree(dest, ignore_errors=True)
+    big = args.z2f_limit_gib * 2**30
+    plans = [(f"ulimit -d {args.limit_mib} MiB", args.limit_mib * 1024, None)]
+    cgs = []
+    if args.cgroup:
+        small_cg, _ = make_cgroup(args.limit_mib * MIB, "z2f-small")
+        big_cg, how = make_cgroup(big, "z2f-big")
+        cgs = [small_cg, big_cg]
+        if small_cg is not None:
+            plans.append((f"cgroup {args.limit_mib} MiB", None, small_cg))
+        plans.append((f"no limit (cgroup {args.z2f_limit_gib} GiB as a safety net)", None, big_cg) if big_cg is not None
+                     else (f"ulimit -d {args.z2f_limit_gib} GiB (no cgroup: {how})", big // 1024, None))
+    else:
+        plans.append((f"ulimit -d {args.z2f_limit_gib} GiB", big // 1024, None))
+    try:
+        for label, kib, cg in plans:
+            shutil.rmtree(dest, ignore_errors=True)
+            if free_bytes(work) < du(str(ck)) // 3 + int(args.margin * GB):
+                runs[label] = {"skipped": f"{free_bytes(work) / GB:.1f} GB free: no room for its fp32 output"}
+                continue
+            with bench_lock(args.lock):
+                reset_cgroup_peak(cg)
+                kills = cgroup_oom_kills(cg) if cg is not None else None
+                res = timed(limited(zero_to_fp32(ck, dest), kib, cg), f"zero_to_fp32, {label}", dest)
+                if cg is not None:
+                    res["cgroup_peak_bytes"] = cgroup_peak(cg)
+                    after = cgroup_oom_kills(cg)
+                    res["cgroup_oom_kills"] = (after - kills) if after is not None and kills is not None else None
+            err = [ln for ln in res["stderr_tail"] if ln.strip()]
+            res["outcome"] = ("ok" if res["returncode"] == 0 else
+                              "OOM-killed in its cgroup" if res.get("cgroup_oom_kills") else
+                              "killed (signal %d)" % -res["returncode"] if res["returncode"] < 0 else
+                              (err[-1][:300] if err else f"exit {res['returncode']}"))
+            runs[label] = res
+            shutil.rmtree(dest, ignore_errors=True)
+    finally:
+        for cg in cgs:
+            remove_cgroup(cg)
     out["zero_to_fp32"] = runs
 
 
@@ -311,7 +359,15 @@ def line(out: dict) -> str:
         return f" ({rate / anchor:.2f}x dd)" if anchor else ""
 
     for tool in ("export", "reshard"):
-        r = out.get(tool, {})
+        r, where = out.get(tool, {}), ""
+        if not r.get("ulimit"):  # not run on this checkpoint: on a smaller one of the same generator (--extend)?
+            for extra in out.get("extra_runs", []):
+                if (extra.get(tool) or {}).get("ulimit"):
+                    e = extra["checkpoint"]
+                    r, where = extra[tool], (f" on a {e['bytes'] / GB:.1f} GB checkpoint of the same generator "
+                                             f"({e['parameters'] / 1e9:.2f} B params, dp {e['ranks']}, "
+                                             f"{e['bytes'] / out['machine']['ram_bytes']:.2f}x RAM; {extra[tool].get('skip_note', '')})")
+                    break
         if "skipped" in r:
             parts.append(f"{tool} not run ({r['skipped']});")
             continue
@@ -319,12 +375,13 @@ def line(out: dict) -> str:
         if not u:
             continue
         ok = "verified" if (u.get("verify_diff") or {}).get("ok") else "NOT verified"
-        floor = (u["read_bytes"] / (d["read_MBps"] * 1e6) + u["written_bytes"] / (d["write_MBps"] * 1e6)) if d else 0
+        floor = ((u["read_bytes"] / (d["read_MBps"] * 1e6) + u["written_bytes"] / (d["write_MBps"] * 1e6))
+                 if d.get("read_MBps") and d.get("write_MBps") else 0)
         u["dd_floor_s"] = round(floor, 1)
         cg = (r.get("cgroup") or {})
         cgs = (f", {cg['wall_s']:.0f} s in a {lim} memory cgroup (page cache included)" if cg.get("returncode") == 0
                else f", exit {cg['returncode']} in a {lim} memory cgroup" if cg else "")
-        parts.append(f"`ckpt {tool}` {u['wall_s']:.0f} s"
+        parts.append(f"`ckpt {tool}`{where} {u['wall_s']:.0f} s"
                      + (f" ({u['wall_s'] / floor:.2f}x dd's {floor:.0f} s for the same bytes)" if floor else "")
                      + f", read {u['read_bytes'] / GB:.1f} GB at {u['read_MBps']:.0f} MB/s{vs(u['read_MBps'], d.get('read_MBps'))}, "
                      f"wrote {u['written_bytes'] / GB:.1f} GB at {u['write_MBps']:.0f} MB/s{vs(u['write_MBps'], d.get('write_MBps'))}, "
@@ -333,11 +390,14 @@ def line(out: dict) -> str:
     if z:
         bits = []
         for label, r in z.items():
-            if r["returncode"] == 0:
-                bits.append(f"under {label}: ok in {r['wall_s']:.0f} s, peak {r['peak_anon_bytes'] / 2**30:.1f} GiB")
+            if "skipped" in r:
+                bits.append(f"{label}: not run ({r['skipped']})")
+            elif r["returncode"] == 0:
+                bits.append(f"{label}: ok in {r['wall_s']:.0f} s, peak {r['peak_anon_bytes'] / 2**30:.1f} GiB RssAnon, "
+                            f"{r['peak_rss_bytes'] / 2**30:.1f} GiB RSS")
             else:
-                bits.append(f"under {label}: fails after {r['wall_s']:.0f} s at {r['peak_anon_bytes'] / 2**30:.1f} GiB "
-                            f"({r['outcome'][:90]})")
+                bits.append(f"{label}: fails after {r['wall_s']:.0f} s at {r['peak_anon_bytes'] / 2**30:.1f} GiB RssAnon "
+                            f"({r['outcome'][:110]})")
         parts.append("`zero_to_fp32` " + "; ".join(bits) + ".")
     if d:
         parts.append(f"dd: read {d['read_MBps']:.0f} MB/s, write {d['write_MBps']:.0f} MB/s.")
@@ -363,6 +423,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-drop", action="store_true", help="leave the page cache (a smoke run; the figures mean little)")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint at the end")
     ap.add_argument("--json", type=Path, default=REPO / ".bench-work" / "results" / "scale.json")
+    ap.add_argument("--extend", default=None, metavar="WHY",
+                    help="add this run to the --json file's extra_runs (e.g. a reshard on a smaller checkpoint when "
+                         "the disk cannot hold the big one's output; WHY says so in the line) instead of replacing it")
     args = ap.parse_args(argv)
     global DROP
     DROP = not args.no_drop
@@ -406,13 +469,21 @@ def main(argv=None) -> int:
             else:
                 raise SystemExit(f"unknown step {s!r}")
             args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(out, indent=1, default=str))  # after every step: partial results survive
+            partial = args.json.with_suffix(".partial.json") if args.extend else args.json
+            partial.write_text(json.dumps(out, indent=1, default=str))  # after every step: partial results survive
     finally:
         remove_cgroup(cg)
         shutil.rmtree(work, ignore_errors=True)
         if not args.keep:
             shutil.rmtree(ck, ignore_errors=True)
     out["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    if args.extend:
+        for tool in ("export", "reshard"):
+            if isinstance(out.get(tool), dict):
+                out[tool]["skip_note"] = args.extend
+        base = json.loads(args.json.read_text()) if args.json.is_file() else dict(out, extra_runs=[])
+        base.setdefault("extra_runs", []).append(out)
+        out = base
     out["markdown"] = line(out)
     args.json.write_text(json.dumps(out, indent=1, default=str))
     print()
