@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional
 
 from ..errors import Cancelled, IncompleteCheckpointError
 from ..io.crc import describe_mismatch, verify_entries
+from ..layout.ranges import slice_ranges
 from ..io.output import AtomicOutputDir, reporting_failures
 from ..io.sources import SourceFiles, check_unchanged
 from ..io.streaming import first_differences, load_cast_kernels
@@ -216,12 +217,8 @@ def compare_copies(plan: Plan, cancel: Any = None, chunk_bytes: Optional[int] = 
 
 def _file_at(ranges, element: int) -> str:
     """The name of the file holding element ``element`` of a tensor stored as ``ranges`` ("" in zeros)."""
-    pos = 0
-    for r in ranges:
-        if element < pos + r.count:
-            return Path(r.path).name if hasattr(r, "path") else ""
-        pos += r.count
-    return ""
+    held = slice_ranges(ranges, element, 1)
+    return Path(held[0].path).name if held and hasattr(held[0], "path") else ""
 
 
 def finished(plan: Plan, seconds: float, read: int, memory: Optional[MemoryReport]) -> RunResult:
