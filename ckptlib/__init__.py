@@ -56,6 +56,7 @@ _API = {
     ".analysis.health": ("CheckPlan", "CheckResult", "check", "plan_check"),
     ".analysis.tensordiff": ("DiffPlan", "DiffResult", "diff", "plan_diff"),
     ".analysis.tensorsets": ("TensorSet", "open_tensor_set"),
+    ".analysis.universal_check": ("UniversalCheck", "check_universal"),
 }
 _SOURCE = {name: module for module, names in _API.items() for name in names}
 

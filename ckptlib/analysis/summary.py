@@ -9,6 +9,7 @@ import os
 from typing import Any
 
 from ..deepspeed import Checkpoint, exactness
+from ..deepspeed import files as fnames
 from ..deepspeed.discovery import repair_hint
 from ..dtypes import BY_NAME
 from ..kinds.optimizers import PARTITIONED, WHOLE_PARAMS
@@ -82,6 +83,10 @@ def describe(ckpt: Checkpoint) -> dict[str, Any]:
         "problems": all_problems(ckpt),
         "cannot_read": list(ckpt.refusals),
         "notes": list(ckpt.notes),
+        "universal": None if ckpt.universal is None else {
+            "written_by": ckpt.universal.written_by, "source_zero_stage": ckpt.universal.source_stage,
+            "source_flavor": ckpt.universal.source_flavor, "source_mesh": dataclasses.asdict(ckpt.universal.source_mesh),
+            "steps": dict(ckpt.universal.steps), "absent": list(ckpt.universal.absent)},
     }
 
 
@@ -128,9 +133,16 @@ def format_text(ckpt: Checkpoint) -> str:
     if loc.checkpoints:
         lines.append(f"checkpoints {len(loc.checkpoints)} checkpoint folders; using {loc.save_dir.name}"
                      + (" (the newest)" if os.fspath(loc.save_dir) == loc.checkpoints[-1] else ""))
-    flavor = {"zero": "", "bf16_optimizer": " (BF16_Optimizer)", "no_zero": " (no ZeRO partitioning)"}[ckpt.flavor]
+    flavor = {"zero": "", "bf16_optimizer": " (BF16_Optimizer)", "no_zero": " (no ZeRO partitioning)",
+              "universal": ""}[ckpt.flavor]
+    u = ckpt.universal
+    if u is not None:
+        m = u.source_mesh
+        lines.append(f"universal   every tensor whole, one file each (zero/<parameter>/), written by {u.written_by} "
+                     f"from a {'BF16_Optimizer' if u.source_flavor == 'bf16_optimizer' else f'ZeRO-{u.source_stage}'}"
+                     f" checkpoint of dp={m.dp} tp={m.tp} pp={m.pp}")
     lines += [
-        f"ZeRO stage  {ckpt.zero_stage}{flavor}",
+        f"ZeRO stage  {ckpt.zero_stage}{flavor}" + (" (of the source)" if u is not None else ""),
         f"dtype       {ckpt.dtype}",
         f"world size  dp={ckpt.mesh.dp} pp={ckpt.mesh.pp} tp={ckpt.mesh.tp} ep={ckpt.mesh.ep} "
         f"sp={ckpt.sequence_parallel}",
@@ -159,13 +171,22 @@ def format_text(ckpt: Checkpoint) -> str:
     lines += adapter_lines(d["adapter"])
     lines.append("")
     lines.append(f"files in {loc.tag}/ ({len(ckpt.files)} files, {human_bytes(ckpt.total_bytes)}):")
-    width = max((len(f.relpath) for f in ckpt.files), default=10)
-    for f in ckpt.files:
+    shown = [f for f in ckpt.files if f.kind != fnames.FRAGMENT]
+    width = max((len(f.relpath) for f in shown), default=10)
+    for f in shown:
         where = ckpt.coordinates(f)
         rank = " ".join(f"{label} {where[key]}" for key, label in (("stage", "stage"), ("tp_rank", "tp"),
                                                                     ("dp_rank", "dp"), ("ep_rank", "ep"), ("layer", "layer"),
                                                                     ("expert", "expert")) if where[key] is not None)
         lines.append(f"  {f.relpath:<{width}}  {human_bytes(f.bytes):>9}  {f.kind:<14} {rank}")
+    fragments = [f for f in ckpt.files if f.kind == fnames.FRAGMENT]
+    if fragments:  # a universal checkpoint: one folder per parameter, a file per state
+        per_key: dict = {}
+        for f in fragments:
+            per_key[f.path.stem] = per_key.get(f.path.stem, 0) + 1
+        lines.append(f"  zero/<parameter>/ ({len({f.path.parent for f in fragments})} folders)  "
+                     f"{human_bytes(sum(f.bytes for f in fragments)):>9}  "
+                     + ", ".join(f"{n} {k}.pt" for k, n in per_key.items()))
     lines.append("")
     names = [p.name for p in ckpt.parameters] + [b.name for b in ckpt.buffers]
     nw = max([len(n) for n in names] + [len("parameter")])

@@ -23,9 +23,7 @@ checkpoint's ``zero/<param>/<key>.pt``. Nothing here reads tensor data; the set 
 from __future__ import annotations
 
 import json
-import math
 import os
-import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +32,6 @@ from typing import Optional, Union
 from ..dcp import is_dcp, open_dcp
 from ..deepspeed import Checkpoint, open_checkpoint
 from ..deepspeed.discovery import detect
-from ..deepspeed.files import LAYER_STATES, classify
 from ..dtypes import Shaped, decode_scalar, itemsize
 from ..errors import CkptError, IncompleteCheckpointError, NotACheckpointError
 from ..io.sources import stamp
@@ -43,7 +40,6 @@ from ..io.torchzip import TensorHandle, open_torch_file
 from ..layout.ranges import StoredRange
 
 CHECKPOINT, EXPORT, UNIVERSAL, DCP = "checkpoint", "export", "universal", "dcp"
-LATEST_UNIVERSAL = "latest_universal"
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "adapter_model.safetensors")  # the last: peft's
 
 
@@ -135,9 +131,9 @@ def checkpoint_steps(ck: Checkpoint) -> Optional[dict]:
     out = {}
     for p in ck.parameters:
         if p.trainable and not p.tied_to:
-            gs = ck.state_group(p.name)
-            if gs is not None and gs.step is not None:
-                out[p.name] = float(gs.step)
+            step = ck.step_of(p.name)
+            if step is not None:
+                out[p.name] = step
     return out
 
 
@@ -254,149 +250,6 @@ def dcp_tensors(path: Path, states: bool = False, steps: Optional[dict] = None) 
     return out, d.stamps(), d.layout
 
 
-# ============================================================================================ universal
-def universal_folder(path: Path, tag: Optional[str] = None) -> Optional[Path]:
-    """The ``<tag>_universal`` folder ``path`` (and ``tag``) point at, or None when it is not a universal
-    checkpoint (a save dir holding ``latest`` is a DeepSpeed checkpoint, unless ``tag`` names a universal
-    tag folder)."""
-    if (path / "zero").is_dir():
-        return path
-    if tag:
-        if (path / tag).is_dir():
-            return path / tag if (path / tag / "zero").is_dir() else None
-        return path / f"{tag}_universal" if (path / f"{tag}_universal" / "zero").is_dir() else None
-    latest = path / LATEST_UNIVERSAL
-    if not latest.is_file() or (path / "latest").is_file():
-        return None
-    name = latest.read_text().strip()
-    if not (path / name / "zero").is_dir():
-        raise NotACheckpointError(f"{LATEST_UNIVERSAL} names {name!r}, but there is no such folder with a zero/ "
-                                  "folder", path=latest, hint="the conversion was probably interrupted; run it again")
-    return path / name
-
-
-def _model_states(folder: Path) -> Optional[dict]:
-    names = sorted(folder.glob("*model_states.pt"))
-    first = next((p for p in names if p.name in ("mp_rank_00_model_states.pt",
-                                                  "zero_pp_rank_0_mp_rank_00_model_states.pt")), None)
-    if first is None:
-        return None
-    with open_torch_file(first) as tf:
-        return tf.obj if isinstance(tf.obj, dict) else None
-
-
-def _pipeline_buffers(folder: Path) -> tuple[dict, list[Path]]:
-    """A pipeline's buffers in a universal folder (``module`` is None in its model-states files): the
-    ``buffer_names`` of every stage's ``mp_rank_XX_model_states.pt``, each ``{idx}.{key}`` entry ``key``
-    of the layer file ``layer_{idx:02d}-model_states.pt`` copied beside them."""
-    names: list = []
-    for f in sorted(folder.glob("mp_rank_*_model_states.pt")):
-        with open_torch_file(f) as tf:
-            obj = tf.obj if isinstance(tf.obj, dict) else {}
-        names += [n for n in obj.get("buffer_names") or [] if n not in names]
-    layers = {classify(f.name).layer: f for f in folder.glob("layer_*-model_states.pt")
-              if classify(f.name).kind == LAYER_STATES and classify(f.name).mp_rank is None}
-    out, files, opened = {}, [], {}
-    for name in names:
-        idx, _, key = str(name).partition(".")
-        f = layers.get(int(idx)) if idx.isdigit() else None
-        if f is None:
-            continue
-        if f not in opened:
-            with open_torch_file(f) as tf:
-                opened[f] = tf.obj if isinstance(tf.obj, dict) else {}
-            files.append(f)
-        h = opened[f].get(key)
-        if isinstance(h, TensorHandle):
-            out[name] = NamedTensor(name, h.dtype_name, tuple(h.shape), tuple(h.ranges()))
-    return out, files
-
-
-_EXPERT = re.compile(r"(deepspeed_experts\.)(\d+)(\.)")
-
-
-def _unstacked(local: str, h: TensorHandle, ep: int, model: dict, path: Path) -> list:
-    """``[(global name, ranges)]`` of a universal expert file of local name ``local`` stacking the experts of
-    ``ep`` expert-parallel ranks (ckptlib's and DeepSpeed's ``is_expert_param`` / ``ep_num_experts``):
-    entry ``e`` is global expert ``e * L + i`` (``L`` = experts per layer / ``ep``, ``i`` the local id)."""
-    counts = set(model.get("num_experts") or [])
-    m = _EXPERT.search(local)
-    if m is None or len(counts) != 1 or not isinstance(ep, int) or ep < 1 or next(iter(counts)) % ep or \
-            not h.shape or h.shape[0] != ep:
-        raise CkptError(f"an expert file stacking {ep!r} experts that this checkpoint's num_experts "
-                        f"({model.get('num_experts')}) and its shape {tuple(h.shape)} do not explain", path=path)
-    per, n = next(iter(counts)) // ep, h.numel // ep
-    return [(_EXPERT.sub(lambda x: f"{x.group(1)}{e * per + int(x.group(2))}{x.group(3)}", local, count=1),
-             tuple(h.ranges(e * n, n))) for e in range(ep)]
-
-
-def universal_tensors(folder: Path, states: bool = False, steps: Optional[dict] = None) -> tuple[dict, list[Path]]:
-    """The tensors of a universal folder (``zero/<parameter>/fp32.pt``, with ``states`` the other keys), and
-    with ``states`` each parameter's ``step.pt`` put in ``steps``."""
-    model = _model_states(folder) or {}
-    shapes: dict = {}
-    for group in model.get("param_shapes") or []:
-        shapes.update({k: tuple(v) for k, v in dict(group).items()})
-    shapes.update({k: tuple(v) for k, v in (model.get("frozen_param_shapes") or {}).items()})
-    files, params = [], {}
-    zero = folder / "zero"
-    for d in sorted(p for p in zero.iterdir() if p.is_dir()):
-        named = [d.name]  # the parameter names this folder holds (experts: one per expert-parallel rank)
-        for f in sorted(d.glob("*.pt")):
-            key = f.stem
-            if key == "step" and states and steps is not None:
-                with open_torch_file(f) as tf:
-                    obj = tf.obj.get("param") if isinstance(tf.obj, dict) else tf.obj
-                value = float(obj) if isinstance(obj, (int, float)) and not isinstance(obj, bool) else \
-                    _scalar(tuple(obj.ranges())) if isinstance(obj, TensorHandle) else None
-                if value is None:
-                    raise CkptError("this step file holds no number", path=f)
-                files.append(f)
-                steps.update({n: value for n in named})
-                continue
-            if key == "step" or (key != "fp32" and not states):
-                continue
-            with open_torch_file(f) as tf:
-                obj = tf.obj.get("param") if isinstance(tf.obj, dict) else tf.obj
-                stacked = tf.obj.get("ep_num_experts") if isinstance(tf.obj, dict) and \
-                    tf.obj.get("is_expert_param") else None
-            if not isinstance(obj, TensorHandle):
-                raise CkptError("this universal file holds no tensor", path=f)
-            state = None if key == "fp32" else key
-            files.append(f)
-            if stacked:  # experts of one local id, one per expert-parallel rank, under their global names
-                unstacked = _unstacked(d.name, obj, stacked, model, f)
-                named[:] = [name for name, _ in unstacked]
-                for name, ranges in unstacked:
-                    params[f"{key}/{name}" if state else name] = NamedTensor(
-                        f"{key}/{name}" if state else name, obj.dtype_name, tuple(obj.shape[1:]), ranges, state)
-                continue
-            shape = tuple(obj.shape)
-            if d.name in shapes and math.prod(shapes[d.name]) == obj.numel:  # ZeRO-3 fragments may be flat
-                shape = shapes[d.name]
-            name = f"{key}/{d.name}" if state else d.name
-            params[name] = NamedTensor(name, obj.dtype_name, shape, tuple(obj.ranges()), state)
-    module = model.get("module") if isinstance(model.get("module"), dict) else {}
-    buffers = set(model.get("buffer_names") or [])
-    shared = model.get("shared_params") or {}
-    out: dict = {}
-    for name in list(module) + [n for n in params if n not in module]:  # the state_dict's order
-        if name in buffers and isinstance(module.get(name), TensorHandle):
-            h = module[name]
-            out[name] = NamedTensor(name, h.dtype_name, tuple(h.shape), tuple(h.ranges()))
-        elif name in shared and shared[name] in params:
-            owner = params[shared[name]]
-            out[name] = NamedTensor(name, owner.dtype, owner.shape, owner.ranges, alias_of=shared[name])
-        elif name in params:
-            out[name] = params[name]
-    out.update({k: v for k, v in params.items() if k not in out})
-    if model.get("module", {}) is None:  # a pipeline: its buffers are in the layer files
-        more, layer_files = _pipeline_buffers(folder)
-        out.update({k: v for k, v in more.items() if k not in out})
-        files += layer_files
-    return out, files
-
-
 # ============================================================================================ entry point
 def open_tensor_set(source: Union[str, os.PathLike, Checkpoint, TensorSet], tag: Optional[str] = None,
                     states: bool = False, tp_rules: Union[str, os.PathLike, None] = None) -> TensorSet:
@@ -413,7 +266,9 @@ def open_tensor_set(source: Union[str, os.PathLike, Checkpoint, TensorSet], tag:
     notes: list = []
     if isinstance(source, Checkpoint):
         tensors = checkpoint_tensors(source, states, notes)
-        return TensorSet(CHECKPOINT, os.fspath(source.location.tag_dir), f"checkpoint {source.location.tag_dir}",
+        kind = UNIVERSAL if source.universal is not None else CHECKPOINT
+        return TensorSet(kind, os.fspath(source.location.tag_dir), f"{kind} checkpoint {source.location.tag_dir}"
+                         if kind == UNIVERSAL else f"checkpoint {source.location.tag_dir}",
                          tensors, tuple(stamp(os.fspath(f.path)) for f in source.files), notes,
                          checkpoint_steps(source) if states else None)
     steps: Optional[dict] = {} if states else None
@@ -428,11 +283,6 @@ def open_tensor_set(source: Union[str, os.PathLike, Checkpoint, TensorSet], tag:
         tensors, stamps, layout = dcp_tensors(path, states, steps)
         return TensorSet(DCP, os.fspath(path), f"DCP checkpoint ({layout} layout) {path}", tensors, stamps, notes,
                          steps or None)
-    uni = universal_folder(path, tag) if path.is_dir() else None
-    if uni is not None:
-        tensors, files = universal_tensors(uni, states, steps)
-        return TensorSet(UNIVERSAL, os.fspath(uni), f"universal checkpoint {uni}", tensors,
-                         tuple(stamp(os.fspath(f)) for f in files), notes, steps or None)
     kind = detect(path).kind if path.is_dir() else "file"
     if kind == "folder" and weight_files(path):
         tensors, files = export_tensors(path, states, steps)
@@ -454,5 +304,5 @@ def open_tensor_set(source: Union[str, os.PathLike, Checkpoint, TensorSet], tag:
 
 
 __all__ = ["NamedTensor", "TensorSet", "open_tensor_set", "checkpoint_tensors", "checkpoint_steps", "export_tensors",
-           "universal_tensors", "dcp_tensors", "weight_files", "file_tensors", "universal_folder", "CHECKPOINT",
+           "dcp_tensors", "weight_files", "file_tensors", "CHECKPOINT",
            "EXPORT", "UNIVERSAL", "DCP"]

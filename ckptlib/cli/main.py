@@ -180,6 +180,13 @@ def _cmd_check(args: argparse.Namespace) -> int:
         from . import resume
 
         return resume.run(args)
+    if args.against is not None:
+        from ..analysis.universal_check import check_universal
+
+        result = check_universal(args.path, args.against, tag=args.tag, tp_rules=args.tp_rules,
+                                 observer=None if args.quiet or args.json else ReadTqdm("check"))
+        _say(json.dumps(result.to_dict(), indent=2) if args.json else result.describe())
+        return 0 if result.ok else 1
     plan = plan_check(args.path, tag=args.tag, states=args.states, tp_rules=args.tp_rules)
     for note in plan.notes:
         _say(f"note: {note}", file=sys.stderr)
@@ -351,6 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON: tensors, problems, bytes_read")
     p.add_argument("--tp-rules", metavar="FILE", help=TP_RULES_HELP)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--against", metavar="ORIGINAL", help="PATH is a universal checkpoint: compare its masters, "
+                   "optimizer states and steps with the native checkpoint it was made from and name, per parameter, "
+                   "what a resume would lose (zeroed moments, another step, changed or missing states); exit 1 if any")
     resume_arguments(p)
     p.set_defaults(func=_cmd_check)
 

@@ -31,6 +31,7 @@ from .model import ModelView
 from .records import BufferInfo, NameIndex, ParameterInfo
 from .releases import written_by
 from .tensor_parallel import SplitRules, load_rules
+from .universal import UniversalSet, join_universal
 from .zeroset import ZeroSet
 
 
@@ -67,7 +68,8 @@ class Checkpoint:
         self._files = OpenedFiles(location, self.problems)
         self._reader = SourceFiles(self._files.stats)
         try:
-            joined = join(self._files, self.notes, self.problems, tp_rules)
+            joined = (join_universal(self._files, self.notes, self.problems) if location.universal else
+                      join(self._files, self.notes, self.problems, tp_rules))
             self._files.forget_pickles()
         except IncompleteCheckpointError as e:
             self.close()
@@ -261,6 +263,20 @@ class Checkpoint:
         ``momentum_buffer``, an Adam-stepped parameter of the same run ``exp_avg`` and ``exp_avg_sq``); none for a
         frozen parameter or a buffer."""
         return self.view.state_keys(name)
+
+    def step_of(self, name: str) -> Optional[float]:
+        """The optimizer step of trainable parameter ``name``: its group's (a universal checkpoint records one per
+        parameter); None where its group counts none."""
+        if isinstance(self.main, UniversalSet):
+            return self.main.step_of(name)
+        gs = self.state_group(name)
+        return float(gs.step) if gs is not None and gs.step is not None else None
+
+    @property
+    def universal(self):
+        """What a universal checkpoint says of its source and what it cannot give
+        (:class:`~ckptlib.deepspeed.universal.UniversalInfo`); None for a native one."""
+        return self.main.universal if isinstance(self.main, UniversalSet) else None
 
     def replica_checks(self, name: str, key: Optional[str] = None) -> list[tuple[str, list, list]]:
         """``(what, ranges, replica ranges)`` for each copy of ``name`` that another rank also stores

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from ..errors import NotACheckpointError, UnsupportedCheckpointError, printable
+from ..errors import NotACheckpointError, printable
 from .files import MODEL_STATES, OPTIM_STATES, classify, natural_key
 
 _HF_CHECKPOINT = re.compile(r"^checkpoint[-_](\d+)$")  # HF Trainer checkpoint-N, Accelerate checkpoint_N
@@ -48,6 +48,7 @@ class Location:
     latest: Optional[str]
     checkpoints: list = field(default_factory=list)
     notes: list = field(default_factory=list)
+    universal: bool = False  # a universal checkpoint folder (zero/ with one folder per parameter)
 
     @property
     def tag_dir(self) -> Path:
@@ -247,15 +248,20 @@ def universal_tag_dir(path: Path, tag: Optional[str] = None) -> Optional[Path]:
     return None
 
 
-def _refuse_universal(path: Path, tag: Optional[str]) -> None:
-    found = universal_tag_dir(path, tag)
-    if found is not None:
-        raise UnsupportedCheckpointError(
-            "this is a universal checkpoint (zero/ holds one folder per parameter, as DeepSpeed's ds_to_universal "
-            "and `ckpt reshard --universal` write it), not a ZeRO layout: ckptlib does not yet inspect, export, "
-            "check or reshard from universal folders", path=found,
-            hint="`ckpt diff ORIGINAL THIS --states` compares it with the checkpoint it was made from; DeepSpeed "
-                 "resumes from it with \"checkpoint\": {\"load_universal\": true}")
+def _universal_location(given: Path, found: Path) -> Location:
+    """The Location of universal folder ``found`` (its save dir: the folder holding it; its tags: the universal
+    folders there; ``latest``: what ``latest_universal`` names)."""
+    save_dir = found.parent
+    tags = [p.name for p in sorted(save_dir.iterdir(), key=lambda p: natural_key(p.name))
+            if p.is_dir() and universal_tag_dir(p) == p]
+    latest = None
+    if (save_dir / "latest_universal").is_file():
+        try:
+            latest = (save_dir / "latest_universal").read_text(errors="replace").strip()[:LATEST_LIMIT] or None
+        except OSError:
+            latest = None
+    return Location(given=given, save_dir=save_dir, tag=found.name, tags=tags, latest=latest, universal=True,
+                    notes=[f"{found.name} is a universal checkpoint (zero/ holds one folder per parameter)"])
 
 
 def locate(path: str | os.PathLike, tag: Optional[str] = None) -> Location:
@@ -270,7 +276,9 @@ def locate(path: str | os.PathLike, tag: Optional[str] = None) -> Location:
             raise NotACheckpointError("this is a file, not a checkpoint folder", path=given,
                                       hint="give the folder that holds 'latest' and the tag folders")
     given = given.resolve()
-    _refuse_universal(given, tag)
+    found = universal_tag_dir(given, tag)
+    if found is not None:
+        return _universal_location(Path(path), found)
     notes: list[str] = []
     checkpoints: list[Path] = []
 

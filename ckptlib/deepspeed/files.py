@@ -25,6 +25,9 @@ EXPERT_STATES = "expert_states"
 EXPERT_OPTIM_STATES = "expert_optim_states"
 OTHER = "other"
 SWAP = "swap"  # a file of offloaded_tensors/ (NVMe offload)
+FRAGMENT = "universal_fragment"              # a universal checkpoint's zero/<parameter>/<key>.pt
+UNIVERSAL_OPTIMIZER = "universal_optimizer"  # a universal checkpoint's zero/optimizer_state.pt
+UNIVERSAL_OPTIMIZER_FILE = "optimizer_state.pt"
 
 _PATTERNS = [
     (re.compile(r"^mp_rank_(?P<mp>\d+)_model_states\.pt$"), MODEL_STATES),

@@ -14,7 +14,10 @@ from .records import FileInfo
 
 def list_files(location: Location) -> list[FileInfo]:
     """The tag folder's files with their roles, in a stable order (kind, ranks, natural name), then the
-    NVMe swap files under ``offloaded_tensors/`` (kind ``swap``, ``dp_rank`` from their rank folder)."""
+    NVMe swap files under ``offloaded_tensors/`` (kind ``swap``, ``dp_rank`` from their rank folder); a universal
+    folder's: :func:`universal_files`."""
+    if location.universal:
+        return universal_files(location)
     given = location.given.resolve()
     out = []
     for p in location.tag_dir.iterdir():
@@ -32,6 +35,31 @@ def list_files(location: Location) -> list[FileInfo]:
                       FileInfo(path=p, relpath=os.path.relpath(p, given), bytes=p.stat().st_size, kind=fnames.SWAP,
                                dp_rank=name.rank if name else None)))
     return [f for _, f in sorted(out, key=lambda t: t[0])] + [f for _, f in sorted(swaps, key=lambda t: t[0])]
+
+
+def universal_files(location: Location) -> list[FileInfo]:
+    """The folder's files: its own (model states, layer files; classified by name), then ``zero/``'s (the optimizer
+    state, then each parameter's files in natural order)."""
+    given = location.given.resolve()
+    top = []
+    for p in location.tag_dir.iterdir():
+        if p.is_file():
+            role = fnames.classify(p.name)
+            top.append((role.sort_key, FileInfo(path=p, relpath=os.path.relpath(p, given), bytes=p.stat().st_size,
+                                                kind=role.kind, dp_rank=role.dp_rank, mp_rank=role.mp_rank,
+                                                prefix=role.prefix, layer=role.layer, expert=role.expert)))
+    out = [f for _, f in sorted(top, key=lambda t: t[0])]
+    zero = location.tag_dir / "zero"
+    for d in sorted(zero.iterdir(), key=lambda p: (p.is_dir(), fnames.natural_key(p.name))):
+        if d.is_file():
+            out.append(FileInfo(path=d, relpath=os.path.relpath(d, given), bytes=d.stat().st_size,
+                                kind=fnames.UNIVERSAL_OPTIMIZER if d.name == fnames.UNIVERSAL_OPTIMIZER_FILE else fnames.OTHER))
+            continue
+        for f in sorted(d.iterdir(), key=lambda p: fnames.natural_key(p.name)):
+            if f.is_file():
+                out.append(FileInfo(path=f, relpath=os.path.relpath(f, given), bytes=f.stat().st_size,
+                                    kind=fnames.FRAGMENT if f.suffix == ".pt" else fnames.OTHER))
+    return out
 
 
 class OpenedFiles:
@@ -87,4 +115,4 @@ class OpenedFiles:
         self._open.clear()
 
 
-__all__ = ["list_files", "OpenedFiles"]
+__all__ = ["list_files", "universal_files", "OpenedFiles"]

@@ -137,10 +137,13 @@ class MeshZero3Writer(Zero3Writer):
 
 
 def zero3_model_states(template: dict, ts: TargetSet, model: TargetModel, world_size: int, shards: ShardRanges,
-                       param_shapes: list, info: Optional[dict] = None, extra: Optional[dict] = None) -> dict:
+                       param_shapes: list, info: Optional[dict] = None, extra: Optional[dict] = None,
+                       frozen: tuple = ()) -> dict:
     """``{file name: tree}`` of target set ``ts``'s ZeRO-3 model-states files, one per data rank: the
     source's tree with the new sizes, ``param_shapes`` and module (parameters as the empty placeholders
-    ZeRO-3 saves, buffers cut from the source's), the tied names on rank 0 only, as DeepSpeed saves them."""
+    ZeRO-3 saves, buffers cut from the source's), the tied names on rank 0 only, as DeepSpeed saves them; each
+    ``frozen`` parameter's fragment of rank ``r``: elements ``[r*c, (r+1)*c)`` of its value, ``c = ceil(numel / world
+    size)``, zero padded (tensors of a tensor size of 1 only)."""
     placeholder = next((h for h in (template.get("module") or {}).values()
                         if isinstance(h, TensorHandle) and h.numel == 0), None)
     module = collections.OrderedDict()
@@ -161,9 +164,19 @@ def zero3_model_states(template: dict, ts: TargetSet, model: TargetModel, world_
     fragments = template.get("frozen_param_fragments")
     if fragments is not None:
         repl["frozen_param_fragments"] = type(fragments)()
+    frozen_targets = [t for t in ts.module if t.name in set(frozen)]
     out = {}
     for r in range(world_size):
         tree = dict(repl)
+        if fragments is not None and frozen_targets:
+            chunks = type(fragments)()
+            for t in frozen_targets:
+                ranges, starts = shards.full(t.name, None)
+                c = -(-t.numel // world_size)
+                real = max(0, min(c, t.numel - r * c))
+                chunks[t.name] = streamed(shards.dtype(t, None), (slice_ranges(ranges, r * c, real, starts) if real
+                                                                  else []) + ([Zeros(c - real)] if c - real else []))
+            tree["frozen_param_fragments"] = chunks
         if r != 0 and isinstance(template.get("shared_params"), dict):
             tree["shared_params"] = type(template["shared_params"])()
         out[fnames.model_states_name(ts.mp, dp_rank=r)] = replace(template, **tree)

@@ -27,6 +27,7 @@ from ..mesh import Mesh
 from ..plan import CopyFile
 from .autotp import autotp_target
 from .footprint import footprint
+from .from_universal import UniversalTemplate, native_tag, refuse_for_native
 from .mesh_files import (MeshZero3Writer, MeshZero12Writer, ShardRanges, layer_file_tree, model_states_tree,
                          stage0_optimizer, zero3_model_states)
 from .stages import plan_stages
@@ -39,6 +40,13 @@ def _refuse(ck: Checkpoint, why: str, hint: Optional[str] = None):
 
 
 def _check_supported(ck: Checkpoint, mesh: Mesh) -> None:
+    if ck.universal is not None:
+        refuse_for_native(ck)
+        if mesh.pp > 1:
+            _refuse(ck, "a universal checkpoint holds no pipeline layer files (ds_to_universal copies none), which say "
+                        "how the layers make stages: native pipeline files cannot be made from it yet",
+                    hint="DeepSpeed resumes from it with \"load_universal\": true")
+        return
     if ck.num_experts:
         _refuse(ck, "changing the tensor or pipeline size of a mixture-of-experts checkpoint is not supported yet")
     if ck.flavor not in (ZERO, BF16_OPTIMIZER, NO_ZERO) or (ck.flavor == ZERO and ck.zero_stage not in (1, 2, 3)):
@@ -132,11 +140,12 @@ def plan_mesh_files(ck: Checkpoint, mesh: Mesh, *, tp_rules: Optional[SplitRules
     autotp = autotp_target(ck, mesh.tp, model_config) if mesh.tp != ck.mesh.tp else None
     model = build_target(ck, mesh, rules, stages, autotp)
     notes = list(stages.notes if stages else [])
-    tag = ck.location.tag
+    tag = native_tag(ck) if ck.universal is not None else ck.location.tag
     shards = ShardRanges(ck)
     trees = TreeFiles()
     files: list = []
-    template_set = ck.sets[min(ck.sets)]
+    template_set = UniversalTemplate(ck) if ck.universal is not None else ck.sets[min(ck.sets)]
+    frozen = [p.name for p in ck.view.parameters if not p.trainable and not p.tied_to]
     template_model = template_set.model_states_file().obj
     recorded = template_model.get("universal_checkpoint_info")
     info = _rules_info(ck, rules) if recorded is None and mesh.tp > 1 else None
@@ -171,7 +180,7 @@ def plan_mesh_files(ck: Checkpoint, mesh: Mesh, *, tp_rules: Optional[SplitRules
         if ck.zero_stage == 3:
             writer = MeshZero3Writer(template_set, ts, mesh.dp, shards, sub_group_size(template_set))
             for name, tree in zero3_model_states(template_model, ts, model, mesh.dp, shards, writer.param_shapes(),
-                                                 info, extra).items():
+                                                 info, extra, frozen).items():
                 files.append(trees.make(f"{tag}/{name}", "model_states", tree, fnames.classify(name).dp_rank))
         else:
             writer = MeshZero12Writer(template_set, ts, mesh.dp, shards)
@@ -200,7 +209,7 @@ def plan_mesh_files(ck: Checkpoint, mesh: Mesh, *, tp_rules: Optional[SplitRules
         notes.append(f"{len(checks)} stored copies (tensor-parallel replicas, tied weights on several stages) are "
                      "compared with the copy read before anything is written")
     prints = [footprint(sum(t.numel for g in ts.groups for t in g), ck.dtype, ck.zero_stage or 0, mesh.dp,
-                        bf16_optimizer=ck.flavor == BF16_OPTIMIZER, stage=ts.stage, tp=ts.tp)
+                        bf16_optimizer=template_set.flavor == BF16_OPTIMIZER, stage=ts.stage, tp=ts.tp)
               for ts in model.sets.values()]
     return files, notes, checks, [tag], prints
 

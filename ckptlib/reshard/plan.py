@@ -173,13 +173,13 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
     if mesh.ep != ck.mesh.ep:
         raise UnsupportedCheckpointError("this checkpoint has no experts: there is no expert-parallel size to change",
                                          path=ck.location.tag_dir)
-    if (mesh.tp, mesh.pp) != (ck.mesh.tp, ck.mesh.pp):
+    if (mesh.tp, mesh.pp) != (ck.mesh.tp, ck.mesh.pp) or ck.universal is not None:
         given = tp_rules if isinstance(tp_rules, SplitRules) or tp_rules is None else load_rules(tp_rules)
         files, notes, checks, folders, prints = plan_mesh_files(
             ck, mesh, tp_rules=given or ck.tp_rules, pp_partition=pp_partition, pp_layers=pp_layers, pp_tied=pp_tied,
             hf_files=hf_files, model_config=model_config)
         return ReshardPlan(source=ck.source_ref(), out=Path(out).expanduser().resolve(), world_size=world_size,
-                           files=files, finals=[TextFile("latest", ck.location.tag, kind="latest")], folders=folders,
+                           files=files, finals=[TextFile("latest", folders[0], kind="latest")], folders=folders,
                            chunk_bytes=chunk_bytes, overwrite=overwrite, sync=sync,
                            notes=notes + optimizer_notes(ck), checks=checks,
                            workers=workers or default_workers(), from_mesh=ck.mesh, to_mesh=mesh, footprints=prints,

@@ -151,7 +151,7 @@ def _group_signatures(ck: Checkpoint) -> list:
 def client_group(ck: Checkpoint, name: str, group: Optional[int]) -> Optional[int]:
     """The optimizer group (as the user's code built it) of parameter ``name``: its group at ZeRO-1/2, the
     group whose sub-groups hold it at ZeRO-3 (``group`` is then its sub-group in the set holding it)."""
-    if ck.zero_stage != 3 or group is None:
+    if ck.zero_stage != 3 or group is None or ck.universal is not None:  # a universal folder records the group
         return group
     zs = ck.sets[ck.view.blocks[name][0].source[0]]
     groups = zs.optimizer_state_dict(zs.rank(0))["optimizer_state_dict"]["param_groups"]
@@ -183,7 +183,8 @@ def build_target(ck: Checkpoint, mesh: Mesh, rules: Optional[SplitRules], stages
     """The target model of ``ck`` at ``mesh`` (``rules``: the split rules when the source records none;
     ``stages``: the pipeline partition at the new size, for a pipeline; ``autotp``: see :func:`split_of`)."""
     view = ck.view
-    if any(not p.trainable for p in view.parameters if not p.tied_to):
+    whole = ck.universal is not None and mesh.tp == 1 and mesh.pp == 1  # frozen tensors stay whole: carried
+    if not whole and any(not p.trainable for p in view.parameters if not p.tied_to):
         _refuse(ck, "frozen parameters are not carried through a reshard that changes tensor or pipeline sizes yet",
                 hint="`ckpt reshard --world-size N` (data-parallel size only) keeps them")
     sigs = _group_signatures(ck)
@@ -214,8 +215,8 @@ def build_target(ck: Checkpoint, mesh: Mesh, rules: Optional[SplitRules], stages
                 tt = TargetTensor(n, view.full_shape(n, padded=True), dim, sizes, t, trainable=not buffer,
                                   group=None if buffer or p is None else p.group, key=key, layer=idx)
                 ts.module.append(tt)
-                if p is None and not buffer:
-                    continue  # a tied alias: in the module, its owner's value; never in an optimizer group
+                if p is None and not buffer or p is not None and not p.trainable:
+                    continue  # a tied alias (its owner's value) or a frozen weight: in the module, in no group
                 if not buffer:
                     g = client_group(ck, n, p.group)
                     if g is None or not 0 <= g < len(groups):

@@ -1,0 +1,192 @@
+"""Reading the parts of a universal checkpoint folder (:mod:`ckptlib.deepspeed.universal`): its ``zero/`` files (experts
+stacked per local id unstacked), the steps, a ZeRO-3 source's frozen fragments and a pipeline's layer buffers.
+Metadata only (a step's few bytes)."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from ..io.torchzip import TensorHandle
+from ..layout.flat import zero3_sub_groups
+from . import files as fnames
+from .files import FRAGMENT
+from .fileset import OpenedFiles
+from .records import FileInfo, ParameterInfo
+
+MASTER, STEP = "fp32", "step"                 # the file stems of the master and the step
+ISEXPERT_PARAM, EP_NUMEXPERTS = "is_expert_param", "ep_num_experts"
+EXPERT = re.compile(r"(deepspeed_experts\.)(\d+)(\.)")
+
+@dataclass
+class Fragment:
+    """One ``zero/<parameter>/<key>.pt``: its tensor (``handle``; a ZeRO-3 folder by ds_to_universal holds it flat),
+    or for an expert file stacking ``ep`` experts, the element range of one of them."""
+
+    info: FileInfo
+    handle: TensorHandle
+    start: int = 0
+    count: Optional[int] = None
+
+    @property
+    def numel(self) -> int:
+        return self.handle.numel if self.count is None else self.count
+
+    def ranges(self) -> list:
+        return self.handle.ranges(self.start, self.numel)
+
+
+
+def obj_of(fs: OpenedFiles, f: FileInfo) -> Any:
+    tf = fs.get(f)
+    return None if tf is None else tf.obj
+
+
+
+def _scalar(v: Any) -> Optional[float]:
+    if isinstance(v, TensorHandle):
+        return float(v.item()) if v.numel == 1 else None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return float(v)
+
+
+
+def param_groups(osd: dict, zero3: bool) -> list:
+    groups = osd.get("param_groups") if isinstance(osd, dict) else None
+    if not groups and zero3 and isinstance(osd.get("optimizer_state_dict"), dict):
+        groups = osd["optimizer_state_dict"].get("param_groups")
+    return [g for g in groups or [] if isinstance(g, dict)]
+
+
+
+def _unstack(local: str, frag: Fragment, ep: Any, model: dict) -> Optional[list]:
+    """``[(global name, Fragment)]`` of an expert file stacking the experts of ``ep`` expert-parallel ranks
+    (``is_expert_param`` / ``ep_num_experts``): entry ``e`` is global expert ``e * L + i`` (``L`` = experts per
+    layer / ``ep``, ``i`` the local id); None when the file's shape and the model's ``num_experts`` disagree."""
+    counts = set(model.get("num_experts") or [])
+    m = EXPERT.search(local)
+    h = frag.handle
+    if m is None or len(counts) != 1 or not isinstance(ep, int) or ep < 1 or next(iter(counts)) % ep or \
+            not h.shape or h.shape[0] != ep:
+        return None
+    per, n = next(iter(counts)) // ep, h.numel // ep
+    return [(EXPERT.sub(lambda x: f"{x.group(1)}{e * per + int(x.group(2))}{x.group(3)}", local, count=1),
+             Fragment(frag.info, h, e * n, n)) for e in range(ep)]
+
+
+
+def fragments(fs: OpenedFiles, model: dict, problems: list) -> tuple[dict, dict, dict]:
+    """``({name: {key: Fragment}}, {name: shape of the master file}, {global expert name: its local folder})`` of
+    every ``zero/<name>/<key>.pt``."""
+    out: dict = {}
+    shapes: dict = {}
+    locals_of: dict = {}
+    for f in fs.files:
+        if f.kind != FRAGMENT:
+            continue
+        folder, key = f.path.parent.name, f.path.stem
+        obj = obj_of(fs, f)
+        if obj is None:
+            continue  # the problem is recorded by OpenedFiles
+        if key == STEP:
+            out.setdefault(folder, {})[STEP] = obj.get("param") if isinstance(obj, dict) else obj
+            continue
+        h = obj.get("param") if isinstance(obj, dict) else obj
+        if not isinstance(h, TensorHandle):
+            problems.append(f"{f.relpath}: holds no tensor")
+            continue
+        frag = Fragment(f, h)
+        state = None if key == MASTER else key
+        if isinstance(obj, dict) and obj.get(ISEXPERT_PARAM):
+            parts = _unstack(folder, frag, obj.get(EP_NUMEXPERTS), model)
+            if parts is None:
+                problems.append(f"{f.relpath}: an expert file stacking {obj.get(EP_NUMEXPERTS)!r} experts that the "
+                                f"model's num_experts ({model.get('num_experts')}) and its shape {tuple(h.shape)} do "
+                                "not explain")
+                continue
+            for name, part in parts:
+                out.setdefault(name, {})[state] = part
+                locals_of[name] = folder
+                if state is None:
+                    shapes[name] = tuple(h.shape[1:])
+            continue
+        out.setdefault(folder, {})[state] = frag
+        if state is None:
+            shapes[folder] = tuple(h.shape)
+    return out, shapes, locals_of
+
+
+
+def zero3_frozen(fs: OpenedFiles, models: list, p: ParameterInfo, problems: list) -> Optional[list]:
+    """A frozen parameter of a ZeRO-3 source from the ``frozen_param_fragments`` of every copied rank file (each
+    rank holds ``ceil(numel / N)`` elements, the last padded), or None where they do not hold it all."""
+    out, pos = [], 0
+    for f in sorted((f for f in models if (f.mp_rank or 0) == 0), key=lambda f: f.dp_rank or 0):
+        obj = obj_of(fs, f)
+        h = ((obj or {}).get("frozen_param_fragments") or {}).get(p.name) if isinstance(obj, dict) else None
+        if not isinstance(h, TensorHandle):
+            return None
+        n = min(h.numel, p.numel - pos)
+        if n > 0:
+            out += h.ranges(0, n)
+            pos += n
+    if pos != p.numel:
+        return None
+    p.stored_dtype = out[0].dtype if out else None
+    return out
+
+
+
+def layer_buffer(fs: OpenedFiles, name: str) -> Optional[TensorHandle]:
+    """A pipeline buffer ``{idx}.{key}`` in a copied layer file ``layer_{idx:02d}-model_states.pt``, or None."""
+    idx, _, key = str(name).partition(".")
+    if not idx.isdigit():
+        return None
+    for f in fs.files:
+        if f.kind == fnames.LAYER_STATES and f.layer == int(idx) and f.mp_rank is None:
+            obj = obj_of(fs, f)
+            h = obj.get(key) if isinstance(obj, dict) else None
+            return h if isinstance(h, TensorHandle) else None
+    return None
+
+
+
+def steps(fs: OpenedFiles, osd: dict, fragments: dict, trainable: list, zero3: bool, dp: int, zcfg: dict,
+           problems: list, objects: dict) -> dict:
+    """Each trainable parameter's step: its ``step.pt``; a ZeRO-3 folder without them (ds_to_universal's): its
+    sub-group's step in ``optimizer_state.pt`` (rank 0's sub-groups; every rank has the same ones)."""
+    out = {}
+    for p in trainable:
+        v = fragments.get(p.name, {}).get(STEP)
+        if v is None:
+            continue
+        value = _scalar(v)
+        if value is None:
+            problems.append(f"zero/{p.name}/step.pt holds no number")
+            continue
+        out[p.name], objects[p.name] = value, v
+    if out or not zero3:
+        return out
+    inner = osd.get("optimizer_state_dict") if isinstance(osd.get("optimizer_state_dict"), dict) else {}
+    state = inner.get("state") if isinstance(inner.get("state"), dict) else {}
+    if not state:
+        return out
+    size = zcfg.get("sub_group_size", 1_000_000_000)
+    size = int(size) if isinstance(size, (int, float)) else 1_000_000_000
+    k = 0
+    for g in sorted({p.group for p in trainable}):
+        members = [p for p in trainable if p.group == g]
+        for sub in zero3_sub_groups([p.numel for p in members], dp, size):
+            raw = state.get(k).get(STEP) if isinstance(state.get(k), dict) else None
+            value = _scalar(raw)
+            for i in sub:
+                if value is not None:
+                    out[members[i].name], objects[members[i].name] = value, raw
+            k += 1
+    return out
+
+
+
+__all__ = ["Fragment", "MASTER", "STEP", "EXPERT", "fragments", "steps", "zero3_frozen", "layer_buffer", "obj_of",
+           "param_groups"]

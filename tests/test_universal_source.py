@@ -1,0 +1,247 @@
+"""Universal checkpoints as sources (issue 32): folders written by DeepSpeed 0.19.8's own ds_to_universal from real
+checkpoints (ZeRO-1/2/3, bf16 and fp32, BF16_Optimizer; the fixtures' model has a tied weight, frozen parameters and
+int64/bool/fp32 buffers, one holding 16777217, which ds_to_universal's zero/ copy rounds to 16777216) and by ckptlib.
+
+- inspect says what the folder is (universal, its source's stage and mesh, the steps, what it cannot give);
+- export with every optimizer state equals the live engine's references bit for bit (masters, moments, frozen
+  weights, buffers at their own dtype);
+- reshard writes native files that are, object for object and bit for bit, what ckptlib's native reshard of the
+  original writes (which tests/test_reshard.py loads in DeepSpeed), and DeepSpeed loads them natively (no universal
+  mode) with the masters, moments, step, frozen weights and buffers of the reference;
+- a folder whose step files disagree is refused by reshard and reported by inspect.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import ckptlib
+from tests.fixtures.compare import assert_masters_and_moments_equal, reference
+from tests.fixtures.load_runner import job_for_fixture, run_load_checks
+from tests.fixtures.torchrun import launch_env
+
+# sources converted by DeepSpeed's ds_to_universal (one subprocess) and by ckptlib
+DS_SOURCES = ["z1_bf16_w3", "z2_fp32_w4", "z2_bf16_w2", "z3_bf16_w2", "z3_fp32_w4", "bf16opt_w3"]
+OURS = ["z2_bf16_w3", "z3_bf16_w3", "z1_fp32_w4"]
+# (source, writer, target size) loaded by DeepSpeed natively, one torchrun launch
+LOADS = [("z2_bf16_w2", "ds", 3), ("z3_bf16_w2", "ds", 3), ("bf16opt_w3", "ds", 3), ("z1_fp32_w4", "ours", 3)]
+TREE_CASES = [(n, "ds", m) for n in DS_SOURCES for m in (1, 3)] + [(n, "ours", 2) for n in OURS]
+
+DS_CONVERT = """
+import json, sys
+from deepspeed.checkpoint import ds_to_universal as d
+for src, dst in json.loads(sys.argv[1]):
+    sys.argv = ["ds_to_universal", "--input_folder", src, "--output_folder", dst,
+                "--num_extract_workers", "1", "--num_merge_workers", "1"]
+    d.main(d.parse_arguments())
+"""
+
+
+@pytest.fixture(scope="module")
+def universal(fixture_by_name, tmp_path_factory):
+    """``{(source, "ds"|"ours"): the universal tag folder}``."""
+    root = tmp_path_factory.mktemp("usrc")
+    out, plan = {}, []
+    for name in DS_SOURCES:
+        fx = fixture_by_name(name)
+        dst = root / "ds" / name
+        shutil.copytree(fx["checkpoint_path"], dst)
+        plan.append([str(dst / fx["tag"]), str(dst / f"{fx['tag']}_universal")])
+        out[(name, "ds")] = dst / f"{fx['tag']}_universal"
+    proc = subprocess.run([sys.executable, "-c", DS_CONVERT, json.dumps(plan)], env=launch_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for name in OURS:
+        fx = fixture_by_name(name)
+        res = ckptlib.write_universal(fx["checkpoint_path"], root / "ours" / name)
+        out[(name, "ours")] = Path(res.out) / f"{fx['tag']}_universal"
+    return out
+
+
+def _cli(*args) -> tuple[int, str]:
+    proc = subprocess.run([sys.executable, "-m", "ckptlib", *map(str, args)], capture_output=True, text=True,
+                          timeout=300)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+# ================================================================================================ inspect
+@pytest.mark.parametrize("name", DS_SOURCES)
+def test_inspect_says_what_the_folder_is(universal, fixture_by_name, name):
+    fx = fixture_by_name(name)
+    code, text = _cli("inspect", universal[(name, "ds")], "--json")
+    assert code == 0, text
+    d = json.loads(text)
+    u = d["universal"]
+    assert u["written_by"] == "ds_to_universal" and u["source_zero_stage"] == (fx["zero_stage"] or None) or \
+        fx["zero_stage"] == 0, u
+    assert u["source_mesh"]["dp"] == fx["world_size"] and not d["problems"], (u, d["problems"])
+    assert set(u["steps"].values()) == {float(reference(fx)["step"])}
+    with ckptlib.open_checkpoint(fx["checkpoint_path"]) as orig:
+        want = {p.name: (list(p.shape), p.trainable, p.tied_to) for p in orig.parameters}
+        buffers = {b.name: b.dtype for b in orig.buffers}
+    assert {p["name"]: (p["shape"], p["trainable"], p["tied_to"]) for p in d["parameters"]} == want
+    assert {b["name"]: b["dtype"] for b in d["buffers"]} == buffers  # their own dtypes (int64, bool), not float32
+    code, text = _cli("inspect", universal[(name, "ds")])
+    assert code == 0 and "universal   every tensor whole" in text and "written by ds_to_universal" in text, text
+    assert "zero/<parameter>/" in text and "problems: none found" in text, text
+
+
+# ================================================================================================ export
+@pytest.mark.parametrize("key", [(n, "ds") for n in DS_SOURCES] + [(n, "ours") for n in OURS],
+                         ids=[f"{n}-ds" for n in DS_SOURCES] + [f"{n}-ours" for n in OURS])
+def test_export_with_states_equals_the_live_engine(universal, fixture_by_name, tmp_path, key):
+    fx = fixture_by_name(key[0])
+    ref = reference(fx)
+    plan = ckptlib.plan_export(universal[key], tmp_path / "out", states=["all"])
+    out = ckptlib.export(plan).out
+    w = load_file(Path(out) / "model.safetensors")
+    for n, v in ref["fp32"].items():
+        assert torch.equal(w[n], v), n
+    for n, v in ref["frozen"].items():
+        assert torch.equal(w[n], v.float()), n
+    for n, v in ref["buffers"].items():
+        assert w[n].dtype == v.dtype and torch.equal(w[n], v), n  # 16777217 stays 16777217
+    for k in ("exp_avg", "exp_avg_sq"):
+        s = load_file(Path(out) / k / "model.safetensors")
+        assert set(s) == set(ref["optim"]), k
+        for n, st in ref["optim"].items():
+            assert torch.equal(s[n], st[k]), (k, n)
+    assert ckptlib.verify(plan).ok
+
+
+# ================================================================================================ reshard
+def _walk(a, b, path: str, diffs: list) -> None:
+    if torch.is_tensor(a):
+        if not (torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+                and a.requires_grad == b.requires_grad):
+            diffs.append(path)
+        return
+    if isinstance(a, dict):
+        if list(a) != list(b):
+            diffs.append(f"{path}: keys {list(a)} != {list(b)}")
+        for k in a:
+            if k in b:
+                _walk(a[k], b[k], f"{path}/{k}", diffs)
+        return
+    if isinstance(a, (list, tuple)):
+        if type(a) is not type(b) or len(a) != len(b):
+            diffs.append(f"{path}: {type(a).__name__}[{len(a)}] != {type(b).__name__}[{len(b)}]")
+            return
+        for i, (x, y) in enumerate(zip(a, b)):
+            _walk(x, y, f"{path}[{i}]", diffs)
+        return
+    if repr(a) != repr(b):
+        diffs.append(f"{path}: {repr(a)[:60]} != {repr(b)[:60]}")
+
+
+@pytest.mark.parametrize("name,writer,m", TREE_CASES, ids=[f"{n}-{w}->{m}" for n, w, m in TREE_CASES])
+def test_reshard_writes_what_the_native_reshard_of_the_original_writes(universal, fixture_by_name, tmp_path,
+                                                                      name, writer, m):
+    fx = fixture_by_name(name)
+    mine = ckptlib.reshard(universal[(name, writer)], tmp_path / "from_universal", m).out
+    native = ckptlib.reshard(fx["checkpoint_path"], tmp_path / "native", m).out
+    a, b = Path(native) / fx["tag"], Path(mine) / fx["tag"]
+    assert (Path(mine) / "latest").read_text() == fx["tag"]
+    assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir())
+    for f in sorted(a.iterdir()):
+        diffs: list = []
+        _walk(torch.load(f, weights_only=False), torch.load(b / f.name, weights_only=False), f.name, diffs)
+        assert not diffs, diffs[:5]
+
+
+@pytest.fixture(scope="module")
+def loads(universal, fixture_by_name, tmp_path_factory):
+    work = tmp_path_factory.mktemp("uload")
+    jobs: dict = {}
+    for name, writer, m in LOADS:
+        out = ckptlib.reshard(universal[(name, writer)], work / f"{name}-{writer}-{m}", m).out
+        jobs.setdefault(m, []).append(job_for_fixture(fixture_by_name(name), checkpoint_dir=out,
+                                                      name=f"{name}-{writer}->{m}"))
+    results = {}
+    for m, js in jobs.items():
+        results.update(run_load_checks(js, m, work / f"w{m}"))
+    return results
+
+
+@pytest.mark.parametrize("name,writer,m", LOADS, ids=[f"{n}-{w}->{m}" for n, w, m in LOADS])
+def test_deepspeed_loads_the_native_files_exactly(loads, fixture_by_name, name, writer, m):
+    fx = fixture_by_name(name)
+    ref = reference(fx)
+    got = loads[f"{name}-{writer}->{m}"]
+    assert "error" not in got, got.get("error")
+    assert got["world_size"] == m
+    loaded = got["loaded"]
+    assert_masters_and_moments_equal(loaded, ref)  # masters, moments and the step, bit for bit
+    for p, want in ref["frozen"].items():
+        assert torch.equal(loaded["frozen"][p], want), f"frozen {p}"
+    for b, want in ref["buffers"].items():
+        assert torch.equal(loaded["buffers"][b], want), f"buffer {b}"  # the int64 16777217 too
+
+
+# ================================================================================================ refusals
+def test_disagreeing_steps_are_reported_and_refused(universal, tmp_path):
+    src = universal[("z2_bf16_w2", "ds")]
+    copy = tmp_path / "ckpt" / src.name
+    shutil.copytree(src, copy)
+    victim = sorted(copy.rglob("step.pt"))[2]
+    torch.save(torch.tensor(1.0), victim)
+    code, text = _cli("inspect", copy)
+    assert code == 0 and f"{victim.parent.name} 1" in text and "disagree" in text, text
+    code, text = _cli("reshard", copy, tmp_path / "out", "--world-size", "3")
+    assert code != 0 and "disagree" in text and "Traceback" not in text, text
+    assert not (tmp_path / "out").exists()
+    # an export holds each parameter's value; the step is what the folder says per parameter
+    assert ckptlib.export(copy, tmp_path / "exp").out
+
+
+def test_a_missing_master_is_named(universal, tmp_path):
+    src = universal[("z3_bf16_w2", "ds")]
+    copy = tmp_path / "ckpt" / src.name
+    shutil.copytree(src, copy)
+    os.remove(copy / "zero" / "fc1.weight" / "fp32.pt")
+    code, text = _cli("export", copy, tmp_path / "out")
+    assert code != 0 and "zero/fc1.weight/fp32.pt is missing" in text and "Traceback" not in text, text
+
+
+# ================================================================================================ the named check
+@pytest.mark.parametrize("writer", ["ds", "ours"])
+def test_check_against_the_original_names_zeroed_moments_and_changed_steps(universal, fixture_by_name, tmp_path,
+                                                                            writer):
+    """`ckpt check UNIVERSAL --against ORIGINAL`: passes the untouched folder; flags, naming the parameter, an
+    exp_avg zeroed (the "trains as if from scratch" resume of DeepSpeed #6691), a step changed, a state changed, a
+    master file removed."""
+    name = "z2_bf16_w2" if writer == "ds" else "z2_bf16_w3"
+    fx = fixture_by_name(name)
+    src = universal[(name, writer)]
+    code, text = _cli("check", src, "--against", fx["checkpoint_path"], "-q")
+    assert code == 0 and "ok: the universal checkpoint holds the original's" in text, text
+    copy = tmp_path / "ckpt" / src.name
+    shutil.copytree(src, copy)
+
+    def edit(param, key, fn):
+        p = copy / "zero" / param / f"{key}.pt"
+        obj = torch.load(p, weights_only=False)
+        t = obj["param"] if isinstance(obj, dict) else obj
+        fn(t)
+        torch.save(obj, p)
+
+    edit("fc1.weight", "exp_avg", lambda t: t.zero_())
+    edit("tiny", "exp_avg_sq", lambda t: t.view(-1)[:1].add_(1.0))
+    torch.save(torch.tensor(1.0), copy / "zero" / "norm.bias" / "step.pt")
+    code, text = _cli("check", copy, "--against", fx["checkpoint_path"], "--json", "-q")
+    assert code == 1, text
+    found = {(f["parameter"], f["what"], f["kind"]) for f in json.loads(text)["findings"]}
+    assert found == {("fc1.weight", "exp_avg", "zeroed"), ("tiny", "exp_avg_sq", "changed"),
+                     ("norm.bias", "step", "step")}, found
+    r = ckptlib.check_universal(copy, fx["checkpoint_path"])
+    assert not r.ok and "fc1.weight: its exp_avg is all zero" in r.describe()
+    code, text = _cli("check", fx["checkpoint_path"], "--against", fx["checkpoint_path"])
+    assert code == 2 and "not a universal checkpoint" in text and "Traceback" not in text, text
