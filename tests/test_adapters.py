@@ -27,7 +27,7 @@ def _config(fx):
 
 def test_names_map_as_peft_saves_them(peft_fixtures):
     """Every fixture: the mapping of the PeftModel's (DeepSpeed's) names is peft's own get_peft_model_state_dict's."""
-    assert len(peft_fixtures) == 11
+    assert len(peft_fixtures) == 14
     for fx in peft_fixtures.values():
         ref = _reference(fx)
         mapping = A.adapter_names(ref["fp32"], _config(fx))
@@ -264,6 +264,7 @@ def test_diff_pairs_deepspeed_names_with_peft_names(peft_fixtures, tmp_path):
     assert any("B is an empty adapter file" in n for n in plan.notes)
 
 
+
 # ------------------------------------------------------------------------------------------------ merge
 def _peft_merged(fx, adapter_dir, dtype):
     from peft import PeftModel
@@ -292,7 +293,9 @@ def test_merge_equals_peft_merge_and_unload_bit_for_bit(peft_fixtures, tmp_path)
         for mode, dtype in (("base-dtype", torch.bfloat16), ("fp32", torch.float32)):
             out = tmp_path / f"{fx['name']}-{mode}"
             result = merge_adapter(ckpt, out, fx["base_path"], merge_on=mode)
-            assert len(result.merged) == {"lora-qv": 4, "lora-all": 14, "dora": 8, "lora-emb": 3}[fx["method"]]
+            assert len(result.merged) == {"lora-qv": 4, "lora-all": 14, "dora": 8, "lora-emb": 3, "lora-bias": 8,
+                                          "lora-bias-frozen": 6, "dora-bias-all": 8}[fx["method"]]
+            assert len(result.biases) == {"lora-bias": 8, "lora-bias-frozen": 6, "dora-bias-all": 14}.get(fx["method"], 0)
             assert result.replaced == (["lm_head.weight"] if fx["method"] == "lora-all" else [])
             assert 1e-5 < result.mode_gap < 1e-2 and "apart here" in result.notes[1]
             theirs = _peft_merged(fx, adapter_dir, dtype)
@@ -304,6 +307,50 @@ def test_merge_equals_peft_merge_and_unload_bit_for_bit(peft_fixtures, tmp_path)
             assert model.dtype == dtype
             loaded = model.state_dict()
             assert all(torch.equal(loaded[k], v) for k, v in mine.items())
+
+
+def test_per_module_rank_and_alpha_are_peft_s(peft_fixtures, tmp_path):
+    """rank_pattern / alpha_pattern (peft's get_pattern_key: the first key, in the saved config's order, matching the
+    end of the module path): the r, alpha and scaling ckptlib gives every targeted module of the three pattern runs are
+    those of the LoraLayers peft builds from the same adapter_config.json (layers.1's q_proj takes its own r=2 before
+    "q_proj"'s 8; rsLoRA's alpha / sqrt(r)). A config whose patterns give another r than the trained factors have is
+    refused before anything is written; fan_in_fan_out and DoRA on an embedding stay refused, saying why."""
+    pytest.importorskip("peft")
+    from peft.tuners.lora import LoraLayer
+
+    from ckptlib.export.merge import merge_adapter
+
+    for name in ("peft_lora_bias_z3", "peft_lora_bias_frozen_z2", "peft_dora_bias_all_z2"):
+        fx = peft_fixtures[name]
+        cfg = _config(fx)
+        assert cfg.patterns and "per-module patterns" in cfg.describe()
+        d, text = _inspect(fx["checkpoint_path"])
+        assert d["adapter"]["rank_pattern"] == dict(cfg.rank_pattern) and d["adapter"]["bias"] == cfg.bias
+        assert "            per module: rank_pattern " in text and "biases: " in text
+        model, complaints = _load_peft(fx["base_path"], fx["checkpoint_path"])
+        assert not complaints
+        layers = {n: m for n, m in model.base_model.model.named_modules() if isinstance(m, LoraLayer)}
+        assert len(layers) == {"lora-bias": 8, "lora-bias-frozen": 6, "dora-bias-all": 8}[fx["method"]]
+        for n, m in layers.items():
+            theirs = (m.r["default"], m.lora_alpha["default"], m.scaling["default"])
+            assert cfg.module_scaling(n) == theirs, (name, n, theirs)
+        assert len({cfg.module_scaling(n) for n in layers}) >= 3, name  # the patterns do change r or alpha
+    fx = peft_fixtures["peft_lora_bias_z3"]
+    cfg = _config(fx)
+    assert [cfg.module_scaling(f"model.layers.{i}.self_attn.q_proj")[0] for i in (0, 1)] == [8, 2]
+    raw = json.loads((fx["checkpoint_path"] / A.CONFIG_FILE).read_text())
+    with pytest.raises(CkptError, match=r"q_proj.lora_A.default.weight has rank 2, but the adapter config gives "
+                                        r"model.layers.1.self_attn.q_proj r=8"):
+        merge_adapter(fx["checkpoint_path"], tmp_path / "x", fx["base_path"],
+                      adapter_config=dict(raw, rank_pattern={"q_proj": 8}))
+    with pytest.raises(CkptError, match="fan_in_fan_out"):
+        merge_adapter(fx["checkpoint_path"], tmp_path / "x", fx["base_path"],
+                      adapter_config=dict(raw, fan_in_fan_out=True))
+    emb = peft_fixtures["peft_lora_emb_z2"]
+    raw = json.loads((emb["checkpoint_path"] / A.CONFIG_FILE).read_text())
+    with pytest.raises(CkptError, match="DoRA on an embedding"):
+        merge_adapter(emb["checkpoint_path"], tmp_path / "x", emb["base_path"], adapter_config=dict(raw, use_dora=True))
+    assert not (tmp_path / "x").exists()
 
 
 def test_merge_reads_a_sharded_base_and_refuses_with_reasons(peft_fixtures, tmp_path):

@@ -109,6 +109,8 @@ def describe_adapter(ck: Checkpoint, check_file: bool = True) -> Optional[dict]:
         "method": c.method if c else None, "peft_type": c.peft_type if c else None,
         "r": c.r if c else None, "alpha": c.alpha if c else None, "scaling": c.scaling if c else None,
         "target_modules": (c.target_modules if c else None), "modules_to_save": list(c.modules_to_save) if c else None,
+        "rank_pattern": dict(c.rank_pattern) if c else None, "alpha_pattern": dict(c.alpha_pattern) if c else None,
+        "bias": c.bias if c else None, "lora_bias": c.lora_bias if c else None,
         "config": adapter.config_path, "tensors": len(adapter.names), "counts": adapter.counts,
         "trainable_elements": sum(params[n].numel for n in adapter.names),
         "base_in_checkpoint": bool(adapter.frozen), "base": adapter.base_line(),
@@ -128,6 +130,13 @@ def adapter_lines(d: Optional[dict]) -> list[str]:
         lines = [f"adapter     peft {d['method']}: r={d['r']} alpha={d['alpha']:g} (scaling {d['scaling']:g}); "
                  f"target modules {targets}"
                  + (f"; modules_to_save {', '.join(d['modules_to_save'])}" if d["modules_to_save"] else "")]
+        per_module = [f"{k} {', '.join(f'{p}: {v:g}' for p, v in d[k].items())}" for k in ("rank_pattern", "alpha_pattern")
+                      if d.get(k)]
+        trained = ([f"bias={d['bias']!r}"] if d.get("bias") not in (None, "none") else []) + \
+            (["lora_bias (lora_B has a bias)"] if d.get("lora_bias") else [])
+        if per_module or trained:
+            lines.append("            " + "; ".join((["per module: " + "; ".join(per_module)] if per_module else [])
+                                                  + (["biases: " + ", ".join(trained)] if trained else [])))
     else:
         lines = [f"adapter     a peft adapter (no {'adapter_config.json'} beside the tag: "
                  "export --adapter takes --adapter-config)"]

@@ -2,7 +2,9 @@
 
 ``BASE`` is a local Hugging Face folder (``model.safetensors``, or shards with their index). The output has the
 base's files and names; every weight a LoRA module targets becomes ``W + scaling · B @ A`` (an embedding's: ``(B @ A)ᵀ``;
-DoRA: rescaled row by row to its magnitude vector), each ``modules_to_save`` weight is the trained one, the rest is the base's. The adapter is
+DoRA: rescaled row by row to its magnitude vector; ``scaling`` the module's own where ``rank_pattern`` /
+``alpha_pattern`` say so), each ``modules_to_save`` weight and each trained bias (``bias="lora_only"|"all"``) is the
+trained one, a ``lora_bias`` module's bias gains ``scaling · lora_B.bias``, the rest is the base's. The adapter is
 the checkpoint's fp32 masters. The arithmetic is peft 0.21's ``merge_and_unload()`` on a base loaded in the merge
 dtype with the fp32 adapter, done with torch (as peft does it, so that the result is peft's bit for bit):
 
@@ -42,14 +44,16 @@ class MergeResult:
     out: Path
     merged: list = field(default_factory=list)       # base weights replaced by W + scaling * B @ A
     replaced: list = field(default_factory=list)     # modules_to_save weights
+    biases: list = field(default_factory=list)       # trained biases, and biases plus scaling * lora_B.bias
     dtype: str = ""
     seconds: float = 0.0
     mode_gap: float = 0.0                             # max |base-dtype merge - fp32 merge| over merged weights
     notes: list = field(default_factory=list)
 
     def describe(self) -> str:
-        return "\n".join([f"merged {len(self.merged)} weights, replaced {len(self.replaced)} (modules_to_save), "
-                          f"{self.dtype}, into {self.out} in {self.seconds:.1f} s"] + [f"note: {n}" for n in self.notes])
+        return "\n".join([f"merged {len(self.merged)} weights, replaced {len(self.replaced)} (modules_to_save)"
+                          + (f", {len(self.biases)} biases" if self.biases else "")
+                          + f", {self.dtype}, into {self.out} in {self.seconds:.1f} s"] + [f"note: {n}" for n in self.notes])
 
 
 def _base_files(base: Path) -> tuple[list[Path], Optional[Path]]:
@@ -63,13 +67,22 @@ def _base_files(base: Path) -> tuple[list[Path], Optional[Path]]:
                     hint="give the local folder of the base model the adapter was trained on (save_pretrained's)")
 
 
-def _module_of(saved: str) -> tuple[str, str]:
-    """``(base module path, part)`` of a peft saved name (``base_model.model.<m>.lora_A.weight`` -> ``(<m>, lora_A)``;
-    a ``modules_to_save`` tensor: ``(<its name in the base>, "whole")``)."""
+_PARTS = {"lora_A.weight": ("weight", "lora_A"), "lora_B.weight": ("weight", "lora_B"),
+          "lora_B.bias": ("bias", "lora_bias"), "lora_magnitude_vector": ("weight", "lora_magnitude_vector"),
+          "lora_embedding_A": ("weight", "lora_embedding_A"), "lora_embedding_B": ("weight", "lora_embedding_B")}
+
+
+def _tensor_of(saved: str, kind: str) -> tuple[str, str]:
+    """``(the base tensor it changes, part)`` of a peft saved name: ``base_model.model.<m>.lora_A.weight`` ->
+    ``(<m>.weight, lora_A)``, ``<m>.lora_B.bias`` -> ``(<m>.bias, lora_bias)``; a trained bias (``<m>.base_layer.bias``
+    of a targeted module, ``<m>.bias`` of another) -> ``(<m>.bias, bias)``; a ``modules_to_save`` tensor -> ``(<its
+    name in the base>, whole)``."""
     rest = saved[len(A.PREFIX):]
-    for part in ("lora_A.weight", "lora_B.weight", "lora_magnitude_vector", "lora_embedding_A", "lora_embedding_B"):
-        if rest.endswith("." + part):
-            return rest[:-len(part) - 1], part.split(".")[0]
+    for suffix, (param, part) in _PARTS.items():
+        if rest.endswith("." + suffix):
+            return f"{rest[:-len(suffix) - 1]}.{param}", part
+    if kind == A.BIAS:
+        return rest.replace(".base_layer.bias", ".bias") if rest.endswith(".base_layer.bias") else rest, "bias"
     return rest, "whole"
 
 
@@ -94,14 +107,13 @@ def merge_adapter(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[st
     c = adapter.config
     if c is None:
         raise CkptError("no adapter_config.json beside the tag", path=ck.location.tag_dir, hint="pass --adapter-config")
-    for key, why in (("fan_in_fan_out", "transposed weights"), ("lora_bias", "a trained bias of lora_B"),
-                     ("rank_pattern", "per-module ranks"), ("alpha_pattern", "per-module alphas")):
-        if c.raw.get(key):
-            raise CkptError(f"the adapter config sets {key} ({why}): ckptlib's merge has not been checked with it",
-                            hint="export the adapter (--adapter), load it with peft and merge_and_unload()")
-    if c.bias != "none" or (c.use_dora and any(k in (A.EMB_A, A.EMB_B) for k, _ in adapter.names.values())):
-        raise CkptError("the adapter trains biases, or DoRA on an embedding: ckptlib's merge has not been checked with "
-                        "them", hint="export the adapter (--adapter), load it with peft and merge_and_unload()")
+    if c.raw.get("fan_in_fan_out"):
+        raise CkptError("the adapter config sets fan_in_fan_out (Conv1D's transposed weights, GPT-2): ckptlib's merge "
+                        "has not been checked against peft's with it",
+                        hint="export the adapter (--adapter), load it with peft and merge_and_unload()")
+    if c.use_dora and any(k in (A.EMB_A, A.EMB_B) for k, _ in adapter.names.values()):
+        raise CkptError("DoRA on an embedding: ckptlib's merge has not been checked against peft's with it",
+                        hint="export the adapter (--adapter), load it with peft and merge_and_unload()")
     base = Path(base).expanduser().resolve()
     files, index = _base_files(base)
     out = Path(out).expanduser().resolve()
@@ -116,8 +128,8 @@ def merge_adapter(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[st
 
     modules: dict[str, dict] = {}
     for name, (kind, saved) in adapter.names.items():
-        module, part = _module_of(saved)
-        modules.setdefault(module if part == "whole" else module + ".weight", {})[part] = name
+        tensor, part = _tensor_of(saved, kind)
+        modules.setdefault(tensor, {})[part] = name
     infos = {}
     for f in files:
         try:
@@ -132,8 +144,8 @@ def merge_adapter(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[st
         if w is None:
             raise CkptError(f"the base holds no {module}, which the adapter trains", path=base,
                             hint="give the base model the adapter was trained on")
-        if "whole" in parts:
-            expect = shapes[parts["whole"]]
+        if "whole" in parts or "bias" in parts or "lora_bias" in parts:
+            expect = shapes[parts.get("whole") or parts.get("bias") or parts["lora_bias"]]
         elif "lora_embedding_A" in parts:  # A [r, vocab], B [hidden, r]: the embedding is [vocab, hidden]
             expect = (shapes[parts["lora_embedding_A"]][1], shapes[parts["lora_embedding_B"]][0])
         else:
@@ -141,6 +153,12 @@ def merge_adapter(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[st
         if tuple(w.shape) != expect:
             raise CkptError(f"the base's {module} is {list(w.shape)}, the adapter's is {list(expect)}: "
                             "another model", path=base, hint="give the base model the adapter was trained on")
+        factor = parts.get("lora_A") or parts.get("lora_embedding_A")
+        if factor is not None and shapes[factor][0] != c.module_scaling(module.rsplit(".", 1)[0])[0]:
+            raise CkptError(f"{factor} has rank {shapes[factor][0]}, but the adapter config gives "
+                            f"{module.rsplit('.', 1)[0]} r={c.module_scaling(module.rsplit('.', 1)[0])[0]} (r, "
+                            "rank_pattern): its scaling would not be peft's", path=adapter.config_path,
+                            hint="give the adapter_config.json the run saved (--adapter-config)")
 
     result = MergeResult(out=out, dtype=out_dtype)
     t0 = time.perf_counter()
@@ -176,13 +194,15 @@ def merge_adapter(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[st
                             w.write(piece.to(td_out).view(torch.uint8).numpy().tobytes())
                         continue
                     value = torch.frombuffer(bytearray(src.read(t.nbytes)), dtype=torch_dtype(t.dtype)).reshape(t.shape)
+                    scaling = c.module_scaling(t.name.rsplit(".", 1)[0])[2]
                     if "whole" in parts:
                         value = ck.read_param(parts["whole"]).to(td_out)
                         result.replaced.append(t.name)
                     else:
-                        value, gap = _merged(torch, ck, value, parts, c, td_run if merge_on == "base-dtype" else None)
+                        how = _merged_bias if "bias" in parts or "lora_bias" in parts else _merged
+                        value, gap = how(torch, ck, value, parts, scaling, td_run if merge_on == "base-dtype" else None)
                         result.mode_gap = max(result.mode_gap, gap)
-                        result.merged.append(t.name)
+                        (result.merged if how is _merged else result.biases).append(t.name)
                     w.write(value.contiguous().view(torch.uint8).numpy().tobytes())
         if index is not None:
             total = sum(itemsize(out_dtype if _floating(t.dtype) else t.dtype) * _numel(t.shape)
@@ -203,9 +223,11 @@ def merge_adapter(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[st
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     result.seconds = time.perf_counter() - t0
-    result.notes = [f"peft {c.method} (r={c.r}, alpha={c.alpha:g}, scaling {c.scaling:g}) merged from the fp32 "
-                    f"masters into {len(result.merged)} weights of {base}"
-                    + (f"; {len(result.replaced)} modules_to_save weights replaced" if result.replaced else ""),
+    result.notes = [f"peft {c.method} (r={c.r}, alpha={c.alpha:g}, scaling {c.scaling:g}"
+                    + (", per module where rank_pattern / alpha_pattern say" if c.patterns else "")
+                    + f") merged from the fp32 masters into {len(result.merged)} weights of {base}"
+                    + (f"; {len(result.replaced)} modules_to_save weights replaced" if result.replaced else "")
+                    + (f"; {len(result.biases)} biases trained or with lora_B's bias added" if result.biases else ""),
                     (f"merged on the base rounded to {run_dtype} (the dtype the run trained against), written in "
                      f"{out_dtype}: what the run's own merge_and_unload() gives; --merge-on fp32 merges on the fp32 "
                      f"base instead (up to {result.mode_gap:.3g} apart here)") if merge_on == "base-dtype" else
@@ -214,14 +236,14 @@ def merge_adapter(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[st
     return result
 
 
-def _merged(torch, ck: Checkpoint, w, parts: dict, c: A.AdapterConfig, run_dtype):
-    """``(merged weight, gap)``: peft's merge of one module on ``w`` rounded to ``run_dtype`` (None: fp32), and the
-    largest difference from the merge in the other mode."""
+def _merged(torch, ck: Checkpoint, w, parts: dict, scaling: float, run_dtype):
+    """``(merged weight, gap)``: peft's merge of one module (its ``scaling``) on ``w`` rounded to ``run_dtype`` (None:
+    fp32), and the largest difference from the merge in the other mode."""
     embedding = "lora_embedding_A" in parts
     a = ck.read_param(parts["lora_embedding_A" if embedding else "lora_A"])
     b = ck.read_param(parts["lora_embedding_B" if embedding else "lora_B"])
     # fp32, as peft's get_delta_weight with fp32 factors (an embedding's: B @ A transposed, then scaled)
-    delta = (b @ a).T * c.scaling if embedding else (b @ a) * c.scaling
+    delta = (b @ a).T * scaling if embedding else (b @ a) * scaling
     magnitude = ck.read_param(parts["lora_magnitude_vector"]) if "lora_magnitude_vector" in parts else None
 
     def merge(base):
@@ -232,7 +254,24 @@ def _merged(torch, ck: Checkpoint, w, parts: dict, c: A.AdapterConfig, run_dtype
         norm = torch.linalg.norm(base + delta, dim=1).to(torch.float32)
         return ((magnitude / norm).view(-1, 1) * (base + delta)).to(base.dtype)
 
-    w32 = w.to(torch.float32)
+    return _both(torch, ck, w.to(torch.float32), merge, run_dtype)
+
+
+def _merged_bias(torch, ck: Checkpoint, b, parts: dict, scaling: float, run_dtype):
+    """``(bias, gap)`` of a module whose bias trained (``parts["bias"]``: peft loads it into the base model, in the
+    merge dtype) and / or has ``lora_B``'s bias (``lora_bias``: peft's merge adds ``scaling · lora_B.bias`` to it, in
+    place), as :func:`_merged`."""
+    start = ck.read_param(parts["bias"]) if "bias" in parts else b.to(torch.float32)
+    extra = ck.read_param(parts["lora_bias"]) * scaling if "lora_bias" in parts else None
+
+    def merge(base):
+        return base if extra is None else (base.float() + extra).to(base.dtype)
+
+    return _both(torch, ck, start, merge, run_dtype)
+
+
+def _both(torch, ck: Checkpoint, w32, merge, run_dtype):
+    """``merge`` on ``w32`` rounded to ``run_dtype`` (None: on ``w32``) and the largest difference from the other."""
     in_fp32 = merge(w32)
     if run_dtype is None:
         other = merge(w32.to(torch.bfloat16) if ck.dtype == "bf16" else w32.to(torch.float16)) \

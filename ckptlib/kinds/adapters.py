@@ -77,6 +77,8 @@ class AdapterConfig:
         bias: ``"none"``, ``"all"`` or ``"lora_only"``; use_rslora, use_dora as the config says.
         patterns: whether ``rank_pattern`` or ``alpha_pattern`` give some modules their own r or alpha.
         raw: the parsed JSON, as it was.
+        rank_pattern, alpha_pattern: ``((regex, value), ...)`` in the config's order (:meth:`module_scaling`).
+        lora_bias: whether ``lora_B`` has a bias of its own (``lora_bias=True``), added to the base layer's by a merge.
     """
 
     peft_type: str
@@ -91,12 +93,47 @@ class AdapterConfig:
     use_dora: bool
     patterns: bool
     raw: dict
+    rank_pattern: tuple = ()
+    alpha_pattern: tuple = ()
+    lora_bias: bool = False
+
+    def module_scaling(self, module: str) -> tuple[int, float, float]:
+        """``(r, alpha, scaling)`` of one targeted module (its path in the base model, ``model.layers.0.q_proj``), as
+        peft 0.21 gives them (``LoraModel._create_and_replace`` with ``peft.utils.other.get_pattern_key``): the first
+        key of ``rank_pattern`` (resp. ``alpha_pattern``), in the config's order, that ``re.match(rf"(.*\\.)?({key})$",
+        module)`` accepts gives the module its r (alpha), else the config's ``r`` (``lora_alpha``); the scaling is
+        alpha / r, or alpha / sqrt(r) with rsLoRA."""
+        r = int(_pattern_value(self.rank_pattern, module, self.r))
+        alpha = float(_pattern_value(self.alpha_pattern, module, self.alpha))
+        return r, alpha, alpha / (math.sqrt(r) if self.use_rslora else r)
 
     def describe(self) -> str:
         targets = self.target_modules if isinstance(self.target_modules, str) else ", ".join(self.target_modules)
         return (f"{self.method} r={self.r} alpha={self.alpha:g} (scaling {self.scaling:g}"
                 + (", per-module patterns" if self.patterns else "") + f") on {targets or 'no module'}"
                 + (f"; modules_to_save: {', '.join(self.modules_to_save)}" if self.modules_to_save else ""))
+
+
+def _pattern_value(pattern: tuple, module: str, default):
+    """peft's ``pattern.get(get_pattern_key(pattern.keys(), module), default)``."""
+    for key, value in pattern:
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return dict(pattern).get(module, default)
+
+
+def _pattern(config: dict, key: str, source: str) -> tuple:
+    value = config.get(key) or {}
+    if not isinstance(value, dict):
+        raise CkptError(f"{source}: {key} is no mapping of module patterns", path=source)
+    for k, v in value.items():
+        try:
+            re.compile(k)
+            float(v)
+        except (re.error, TypeError, ValueError) as e:
+            raise CkptError(f"{source}: {key} entry {k!r}: {v!r} is not a regex and a number ({e})", path=source) \
+                from None
+    return tuple(value.items())
 
 
 def parse_config(config: dict, source: str = CONFIG_FILE) -> AdapterConfig:
@@ -129,7 +166,10 @@ def parse_config(config: dict, source: str = CONFIG_FILE) -> AdapterConfig:
                          scaling=alpha / (math.sqrt(r) if rslora else r), target_modules=targets,
                          modules_to_save=tuple(config.get("modules_to_save") or ()),
                          bias=str(config.get("bias") or "none"), use_rslora=rslora, use_dora=dora,
-                         patterns=bool(config.get("rank_pattern") or config.get("alpha_pattern")), raw=config)
+                         patterns=bool(config.get("rank_pattern") or config.get("alpha_pattern")), raw=config,
+                         rank_pattern=_pattern(config, "rank_pattern", source),
+                         alpha_pattern=_pattern(config, "alpha_pattern", source),
+                         lora_bias=bool(config.get("lora_bias")))
 
 
 def split(name: str) -> Optional[tuple[str, str, str]]:
