@@ -264,6 +264,40 @@ def test_diff_pairs_deepspeed_names_with_peft_names(peft_fixtures, tmp_path):
     assert any("B is an empty adapter file" in n for n in plan.notes)
 
 
+def test_diff_against_an_adapter_folder(peft_fixtures, tmp_path):
+    """ckpt diff CKPT FOLDER, FOLDER holding adapter_model.safetensors: a folder as peft's save_pretrained (and the
+    Trainer's save_model) leave it pairs every name; ``ckpt diff checkpoint-N checkpoint-N/`` (the Trainer's folder
+    holds the tag and peft's file) compares the masters with that file, not the checkpoint with itself, and says so:
+    the 16-bit copy differs by its rounding; an empty one leaves every tensor only in A."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from ckptlib.analysis.tensordiff import diff
+
+    fx = peft_fixtures["peft_lora_all_z3_nogather"]
+    ckpt = fx["checkpoint_path"]
+    n = len(_reference(fx)["fp32"])
+    folder = tmp_path / "final"
+    folder.mkdir()
+    for f in (A.WEIGHTS_FILE, A.CONFIG_FILE):
+        shutil.copyfile(ckpt / f, folder / f)
+    for b in (folder, ckpt, ckpt / fx["tags"][-1]):
+        result = diff(ckpt, b)
+        statuses = [t.status for t in result.tensors]
+        assert len(statuses) == n and statuses.count("changed") == n, (b, statuses)  # bf16 copies vs fp32 masters
+        assert result.plan.b.path == (str(folder) if b == folder else str(ckpt / A.WEIGHTS_FILE))
+        assert any("paired with peft's saved names" in x for x in result.plan.notes)
+        assert any("B holds 16-bit copies" in x for x in result.plan.notes)
+        assert any("A and B are the same checkpoint" in x for x in result.plan.notes) == (b != folder)
+    ck = _copy(fx, tmp_path)
+    save_file({}, ck / A.WEIGHTS_FILE)
+    result = diff(ck, ck)
+    assert [t.status for t in result.tensors] == ["only_in_a"] * n
+    assert any("B is an empty adapter file" in x for x in result.plan.notes)
+    (ck / A.WEIGHTS_FILE).unlink()  # no adapter file beside: the checkpoint with itself, as for any checkpoint
+    assert all(t.status == "same" for t in diff(ck, ck).tensors)
+
 
 # ------------------------------------------------------------------------------------------------ merge
 def _peft_merged(fx, adapter_dir, dtype):

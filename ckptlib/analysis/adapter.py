@@ -158,11 +158,24 @@ def pair_adapter_names(sa, sb) -> tuple:
     """``(sa, sb, notes)``: when one side is a checkpoint that trains a peft adapter and the other holds tensors under
     peft's saved names (an ``--adapter`` export, the Trainer's ``adapter_model.safetensors``) and none under
     DeepSpeed's, the checkpoint's side renamed to peft's names (its optimizer states ``<key>/<name>`` too), so that
-    the names pair; else both as given. Notes say so, and what the other side is when it is empty or 16-bit."""
+    the names pair; else both as given. Notes say so, and what the other side is when it is empty or 16-bit.
+
+    Both sides the same adapter checkpoint (``ckpt diff checkpoint-N checkpoint-N/``: the Trainer's folder holds the
+    tag and peft's ``adapter_model.safetensors``): B is that file, the one comparison that says something (a
+    checkpoint is always the same as itself), and a note says so."""
     import dataclasses
+    from pathlib import Path
 
     from ..kinds import adapters as A
+    from .tensorsets import open_tensor_set
 
+    first: list = []
+    if sa.kind == sb.kind == "checkpoint" and Path(sa.path).resolve() == Path(sb.path).resolve():
+        weights = Path(sb.path).parent / A.WEIGHTS_FILE
+        if weights.is_file() and A.looks_like_adapter(k for k in sa.tensors if "/" not in k):
+            sb = open_tensor_set(weights)
+            first = [f"A and B are the same checkpoint: B is the {A.WEIGHTS_FILE} beside its tag ({weights}), peft's "
+                     "save of the adapter, compared with the checkpoint's fp32 masters"]
     for x, y, label in ((sa, sb, "A"), (sb, sa, "B")):
         if x.kind != "checkpoint" or y.kind == "checkpoint":
             continue
@@ -189,8 +202,8 @@ def pair_adapter_names(sa, sb) -> tuple:
         elif {t.dtype for t in y.tensors.values()} <= {"bfloat16", "float16"}:
             notes.append(f"{other} holds 16-bit copies: they differ from the fp32 masters by their rounding "
                          "(`ckpt inspect` says whether each is exactly the master rounded)")
-        return (new, y, notes) if label == "A" else (y, new, notes)
-    return sa, sb, []
+        return (new, y, first + notes) if label == "A" else (y, new, first + notes)
+    return sa, sb, first
 
 
 __all__ = ["pair_adapter_names", "check_weights_file", "describe_adapter", "adapter_lines", "EMPTY", "SAME", "COPY16", "DIFFERENT", "NAMES"]
