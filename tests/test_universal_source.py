@@ -146,7 +146,9 @@ def _walk(a, b, path: str, diffs: list) -> None:
 def test_reshard_writes_what_the_native_reshard_of_the_original_writes(universal, fixture_by_name, tmp_path,
                                                                       name, writer, m):
     fx = fixture_by_name(name)
-    mine = ckptlib.reshard(universal[(name, writer)], tmp_path / "from_universal", m).out
+    plan = ckptlib.plan_reshard(universal[(name, writer)], tmp_path / "from_universal", m)
+    mine = ckptlib.reshard(plan).out
+    assert ckptlib.verify(plan).ok  # --verify: the output re-opened and compared with the universal folder
     native = ckptlib.reshard(fx["checkpoint_path"], tmp_path / "native", m).out
     a, b = Path(native) / fx["tag"], Path(mine) / fx["tag"]
     assert (Path(mine) / "latest").read_text() == fx["tag"]
@@ -245,3 +247,53 @@ def test_check_against_the_original_names_zeroed_moments_and_changed_steps(unive
     assert not r.ok and "fc1.weight: its exp_avg is all zero" in r.describe()
     code, text = _cli("check", fx["checkpoint_path"], "--against", fx["checkpoint_path"])
     assert code == 2 and "not a universal checkpoint" in text and "Traceback" not in text, text
+
+
+# ================================================================================================ parallel sources
+PARALLEL = ["tp2_dp2_z1_bf16", "pp2_dp2_z1_fp32"]
+
+
+@pytest.fixture(scope="module")
+def parallel_universal(parallel_fixtures, tmp_path_factory):
+    root = tmp_path_factory.mktemp("upar")
+    out, plan = {}, []
+    for name in PARALLEL:
+        fx = parallel_fixtures[name]
+        dst = root / name
+        shutil.copytree(fx["checkpoint_path"], dst)
+        plan.append([str(dst / fx["tag"]), str(dst / f"{fx['tag']}_universal")])
+        out[name] = (fx, dst / fx["tag"], dst / f"{fx['tag']}_universal")
+    proc = subprocess.run([sys.executable, "-c", DS_CONVERT, json.dumps(plan)], env=launch_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("name", PARALLEL)
+def test_a_tensor_or_pipeline_parallel_source(parallel_universal, tmp_path, name):
+    """ds_to_universal's folder of a tensor-parallel (with its universal_checkpoint_info) and of a pipeline run:
+    inspect gives the source mesh and names the pipeline buffers the folder lacks (ds_to_universal copies no layer
+    files); export with the states equals the export of the original bit for bit (the tensor-parallel shards joined
+    by DeepSpeed, the vocabulary's padding rows cut as the original's model has it); reshard to native files is
+    refused with the reason."""
+    fx, original, uni = parallel_universal[name]
+    code, text = _cli("inspect", uni, "--json")
+    assert code == 0, text
+    d = json.loads(text)
+    mesh = d["universal"]["source_mesh"]
+    assert (mesh["tp"], mesh["pp"], mesh["dp"]) == ((2, 1, 2) if name.startswith("tp") else (1, 2, 2)), mesh
+    if name.startswith("pp"):
+        assert d["universal"]["absent"] and all("layer files" in a for a in d["universal"]["absent"])
+    a = ckptlib.export(original, tmp_path / "a", states=["all"], tp_rules=None).out
+    b = ckptlib.export(uni, tmp_path / "b", states=["all"]).out
+    wa, wb = load_file(Path(a) / "model.safetensors"), load_file(Path(b) / "model.safetensors")
+    absent = {x.split(":")[0].split()[-1] for x in d["universal"]["absent"]}
+    assert set(wa) - set(wb) == absent and set(wb) <= set(wa)
+    assert all(torch.equal(wa[k], wb[k]) for k in wb)
+    for k in ("exp_avg", "exp_avg_sq"):
+        sa, sb = load_file(Path(a) / k / "model.safetensors"), load_file(Path(b) / k / "model.safetensors")
+        assert set(sa) == set(sb) and all(torch.equal(sa[n], sb[n]) for n in sa), k
+    code, text = _cli("check", uni, "--against", original, "-q")
+    assert code == 0, text
+    code, text = _cli("reshard", uni, tmp_path / "r", "--world-size", "2")
+    assert code == 2 and "not written yet" in text and "Traceback" not in text, text

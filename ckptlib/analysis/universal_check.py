@@ -10,7 +10,8 @@ streamed piece by piece) and names, per parameter, what a resume from the univer
   resume: Adam's first steps then take full-size updates);
 - ``step``: a parameter's step that differs from the original's (bias correction restarts);
 - ``changed``: any other master or state that differs, with its largest difference (expert states included);
-- ``missing``: a master, state or step the original has and the folder lacks.
+- ``missing``: a master, state or step the original has and the folder lacks (buffers and frozen weights a
+  pipeline's folder cannot hold, which no universal load restores either, are notes).
 
 Memory: the diff's (its chunk buffers); each changed state is read once more, in chunks, to tell whether it is zero.
 """
@@ -27,6 +28,7 @@ from .tensordiff import CHANGED, ONLY_IN_A, SHAPE_CHANGED, diff, plan_diff
 from .tensorsets import UNIVERSAL, open_tensor_set
 
 ZEROED, STEP, CHANGED_VALUE, MISSING = "zeroed", "step", "changed", "missing"
+_ABSENT = "not in this universal checkpoint: "  # how the folder's notes name what it cannot give
 
 
 @dataclass
@@ -103,11 +105,9 @@ def check_universal(universal: Union[str, os.PathLike], original: Union[str, os.
     try:
         for t in result.tensors:
             param, what = _split(t.key)
-            if t.key in weights and param not in (b.tensors.keys()) and t.status == ONLY_IN_A:
-                # frozen weights and buffers the folder cannot give are named by its own notes
-                out.findings.append(UniversalFinding(param, what, MISSING, f"{param}: not in the universal "
-                                                                           "checkpoint"))
-                continue
+            if t.key in weights and t.status == ONLY_IN_A and any(
+                    n.startswith(_ABSENT) and f" {param}:" in n for n in b.notes):
+                continue  # a buffer or frozen weight the folder cannot give (a pipeline's): its notes name it
             if t.status == ONLY_IN_A:
                 out.findings.append(UniversalFinding(param, what, MISSING, f"{param}: its {what} is not in the "
                                                                            "universal checkpoint"))

@@ -101,9 +101,6 @@ class UniversalSet(ZeroSet):
     def state_replicas(self, name: str, key: Optional[str]) -> list:
         return []
 
-    def frozen_chunks(self, name: str) -> list:
-        self._no_partitions("frozen chunks")
-
     def step_of(self, name: str) -> Optional[float]:
         """The step recorded for trainable parameter ``name`` (its own ``step.pt``, or its ZeRO-3 sub-group's)."""
         p = self.param(name)
@@ -175,18 +172,18 @@ def join_universal(fs: OpenedFiles, notes: list, problems: list):
     pp = dims.get("pp_degree") if isinstance(dims.get("pp_degree"), int) else max(1, mp // max(tp, 1))
     dp = model.get("dp_world_size") if isinstance(model.get("dp_world_size"), int) else None
     fragments, master_shapes, locals_of = parts.fragments(fs, model, problems)
+    module = model.get("module") if isinstance(model.get("module"), dict) else None
     # ds_to_universal gives buffers and tied aliases a zero/ folder and ZeRO-3 parameters flat tensors without a
     # step.pt; ckptlib does neither
     extra = set(model.get("buffer_names") or []) | set((model.get("shared_params") or {}) if isinstance(
         model.get("shared_params"), dict) else ())
     flat3 = zero3 and not any(STEP in v for v in fragments.values())
-    written = "ds_to_universal" if flat3 or extra & set(fragments) else "ckptlib" if extra or zero3 else \
-        "ds_to_universal or ckptlib"
+    written = "ds_to_universal" if flat3 or extra & set(fragments) else \
+        "ckptlib" if (extra and module is not None) or zero3 else "ds_to_universal or ckptlib"
     uinfo = UniversalInfo(source_mesh=Mesh(dp=dp or 1, tp=tp or 1, pp=pp or 1), source_stage=stage,
                           source_flavor=source_flavor, written_by=written,
                           info=model.get("universal_checkpoint_info") if isinstance(
                               model.get("universal_checkpoint_info"), dict) else None)
-    module = model.get("module") if isinstance(model.get("module"), dict) else None
     index = TensorIndex()
 
     # ------------------------------------------------------------------ parameters
@@ -260,17 +257,16 @@ def join_universal(fs: OpenedFiles, notes: list, problems: list):
             continue
         t = index.module.get(p.name)
         if isinstance(t, TensorHandle) and t.numel == p.numel and tp == 1:
-            frozen[p.name] = t.ranges()
+            frozen[p.name], index.frozen[p.name] = t.ranges(), [t]
             p.stored_dtype = t.dtype_name
             continue
-        if zero3:
-            ranges = zero3_frozen(fs, models, p, problems)
-            if ranges is not None:
-                frozen[p.name] = ranges
-                continue
+        got = zero3_frozen(fs, models, p) if zero3 else None
+        if got is not None:
+            frozen[p.name], index.frozen[p.name] = got
+            continue
         frag = fragments.get(p.name, {}).get(None)
         if frag is not None and frag.numel == p.numel:  # the value upcast to fp32 (16-bit values are exact in fp32)
-            frozen[p.name] = frag.ranges()
+            frozen[p.name], index.frozen[p.name] = frag.ranges(), [frag.handle]
             p.stored_dtype = frag.handle.dtype_name
             continue
         uinfo.absent.append(f"frozen parameter {p.name}: no value (neither a model-states module entry nor "
@@ -335,6 +331,8 @@ def join_universal(fs: OpenedFiles, notes: list, problems: list):
     notes += [f"{c} (a native checkpoint keeps one step per group: a reshard refuses this)" for c in uinfo.step_conflicts]
     names = [n for n in index.module if n in by_name or n in buffer_ranges]
     order = names + [n for n in [p.name for p in params] + [b.name for b in buffers] if n not in set(names)]
+    at = {n: i for i, n in enumerate(order)}
+    params.sort(key=lambda p: at.get(p.name, len(at)))  # the state_dict's order, as a native checkpoint lists them
     blocks = {p.name: [whole((0, p.name), tuple(p.shape))] for p in params if not p.tied_to}
     blocks.update({b.name: [whole((0, b.name), tuple(b.shape))] for b in buffers})
     view = ModelView(parameters=params, buffers=buffers, order=order, blocks=blocks,

@@ -114,19 +114,25 @@ def fragments(fs: OpenedFiles, model: dict, problems: list) -> tuple[dict, dict,
         out.setdefault(folder, {})[state] = frag
         if state is None:
             shapes[folder] = tuple(h.shape)
+    for name, folder in locals_of.items():  # an expert folder's one step is the step of each expert it stacks
+        step = out.get(folder, {}).get(STEP)
+        if step is not None:
+            out.setdefault(name, {}).setdefault(STEP, step)
     return out, shapes, locals_of
 
 
 
-def zero3_frozen(fs: OpenedFiles, models: list, p: ParameterInfo, problems: list) -> Optional[list]:
-    """A frozen parameter of a ZeRO-3 source from the ``frozen_param_fragments`` of every copied rank file (each
-    rank holds ``ceil(numel / N)`` elements, the last padded), or None where they do not hold it all."""
-    out, pos = [], 0
+def zero3_frozen(fs: OpenedFiles, models: list, p: ParameterInfo) -> Optional[tuple[list, list]]:
+    """``(ranges, chunks)`` of a frozen parameter of a ZeRO-3 source from the ``frozen_param_fragments`` of every
+    copied rank file (each rank holds ``ceil(numel / N)`` elements, the last padded), or None where they do not hold
+    it all."""
+    out, chunks, pos = [], [], 0
     for f in sorted((f for f in models if (f.mp_rank or 0) == 0), key=lambda f: f.dp_rank or 0):
         obj = obj_of(fs, f)
         h = ((obj or {}).get("frozen_param_fragments") or {}).get(p.name) if isinstance(obj, dict) else None
         if not isinstance(h, TensorHandle):
             return None
+        chunks.append(h)
         n = min(h.numel, p.numel - pos)
         if n > 0:
             out += h.ranges(0, n)
@@ -134,8 +140,7 @@ def zero3_frozen(fs: OpenedFiles, models: list, p: ParameterInfo, problems: list
     if pos != p.numel:
         return None
     p.stored_dtype = out[0].dtype if out else None
-    return out
-
+    return out, chunks
 
 
 def layer_buffer(fs: OpenedFiles, name: str) -> Optional[TensorHandle]:

@@ -34,9 +34,17 @@ def native_tag(ck: Checkpoint) -> str:
     return tag[:-len(UNIVERSAL_SUFFIX)] if tag.endswith(UNIVERSAL_SUFFIX) and len(tag) > len(UNIVERSAL_SUFFIX) else tag
 
 
-def refuse_for_native(ck: Checkpoint) -> None:
-    """What no native checkpoint made from universal folder ``ck`` could hold exactly, refused with the reason."""
+def refuse_for_native(ck: Checkpoint, mesh=None) -> None:
+    """What no native checkpoint made from universal folder ``ck`` (at ``mesh``) could hold exactly, or ckptlib does
+    not write yet, refused with the reason."""
     u = ck.universal
+    src = u.source_mesh
+    if src.tp > 1 or src.pp > 1 or (mesh is not None and (mesh.tp > 1 or mesh.pp > 1)):
+        raise UnsupportedCheckpointError(
+            f"native files of a tensor- or pipeline-parallel mesh from a universal checkpoint (its source: tp={src.tp} "
+            f"pp={src.pp}) are not written yet: a pipeline's layer files and a tensor-parallel vocabulary's padding "
+            "are not in the folder", path=ck.location.tag_dir,
+            hint="DeepSpeed resumes from it with \"load_universal\": true; `ckpt export` writes its full model")
     if u.step_conflicts:
         raise UnsupportedCheckpointError(
             "; ".join(u.step_conflicts) + ": a native checkpoint keeps one step per optimizer group",

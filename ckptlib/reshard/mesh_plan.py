@@ -41,11 +41,7 @@ def _refuse(ck: Checkpoint, why: str, hint: Optional[str] = None):
 
 def _check_supported(ck: Checkpoint, mesh: Mesh) -> None:
     if ck.universal is not None:
-        refuse_for_native(ck)
-        if mesh.pp > 1:
-            _refuse(ck, "a universal checkpoint holds no pipeline layer files (ds_to_universal copies none), which say "
-                        "how the layers make stages: native pipeline files cannot be made from it yet",
-                    hint="DeepSpeed resumes from it with \"load_universal\": true")
+        refuse_for_native(ck, mesh)
         return
     if ck.num_experts:
         _refuse(ck, "changing the tensor or pipeline size of a mixture-of-experts checkpoint is not supported yet")
