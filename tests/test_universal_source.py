@@ -159,6 +159,13 @@ def test_reshard_writes_what_the_native_reshard_of_the_original_writes(universal
         assert not diffs, diffs[:5]
 
 
+# universal-mode loads (load_universal) checked by verify_loaded: against the folder itself, and a folder whose
+# exp_avg of fc1.weight was zeroed against the original (the "trains as if from scratch" resume); the engines start
+# from the generator's buffers, which a universal load does not restore
+UNIVERSAL_LOADS = [("z2_bf16_w2", 3), ("z3_bf16_w2", 3)]
+AS_GENERATOR = {"init_seed": 1234, "perturb_buffers": False}
+
+
 @pytest.fixture(scope="module")
 def loads(universal, fixture_by_name, tmp_path_factory):
     work = tmp_path_factory.mktemp("uload")
@@ -167,6 +174,20 @@ def loads(universal, fixture_by_name, tmp_path_factory):
         out = ckptlib.reshard(universal[(name, writer)], work / f"{name}-{writer}-{m}", m).out
         jobs.setdefault(m, []).append(job_for_fixture(fixture_by_name(name), checkpoint_dir=out,
                                                       name=f"{name}-{writer}->{m}"))
+    for name, m in UNIVERSAL_LOADS:
+        fx, folder = fixture_by_name(name), universal[(name, "ds")]
+        jobs.setdefault(m, []).append(job_for_fixture(fx, checkpoint_dir=folder.parent, universal=True,
+                                                      name=f"{name}-universal@{m}", verify=str(folder),
+                                                      **AS_GENERATOR))
+        zeroed = work / f"{name}-zeroed" / folder.name
+        shutil.copytree(folder, zeroed)
+        (zeroed.parent / "latest_universal").write_text(folder.name)
+        p = zeroed / "zero" / "fc1.weight" / "exp_avg.pt"
+        obj = torch.load(p, weights_only=False)
+        (obj["param"] if isinstance(obj, dict) else obj).zero_()
+        torch.save(obj, p)
+        jobs[m].append(job_for_fixture(fx, checkpoint_dir=zeroed.parent, universal=True, name=f"{name}-zeroed@{m}",
+                                       verify=str(fx["checkpoint_path"]), **AS_GENERATOR))
     results = {}
     for m, js in jobs.items():
         results.update(run_load_checks(js, m, work / f"w{m}"))
@@ -297,3 +318,18 @@ def test_a_tensor_or_pipeline_parallel_source(parallel_universal, tmp_path, name
     assert code == 0, text
     code, text = _cli("reshard", uni, tmp_path / "r", "--world-size", "2")
     assert code == 2 and "not written yet" in text and "Traceback" not in text, text
+
+
+@pytest.mark.parametrize("name,m", UNIVERSAL_LOADS, ids=[f"{n}@{m}" for n, m in UNIVERSAL_LOADS])
+def test_verify_loaded_after_a_universal_load(loads, name, m):
+    """After engine.load_checkpoint in universal mode, verify_loaded against the universal folder passes (masters,
+    moments, step, and the buffers, which the engine was built with as saved); a folder whose fc1.weight exp_avg was
+    zeroed, checked against the original, is named: the engine holds zeros there."""
+    got = loads[f"{name}-universal@{m}"]
+    assert "error" not in got, got.get("error")
+    assert got["verify"]["ok"], got["verify"]["mismatches"]
+    assert got["verify"]["step"] == [2, 2] or tuple(got["verify"]["step"]) == (2, 2)
+    bad = loads[f"{name}-zeroed@{m}"]
+    assert "error" not in bad, bad.get("error")
+    assert not bad["verify"]["ok"]
+    assert {(n, w) for n, w, _ in bad["verify"]["mismatches"]} == {("fc1.weight", "exp_avg")}, bad["verify"]

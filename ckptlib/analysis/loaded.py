@@ -228,7 +228,8 @@ def verify_loaded(engine: Any, checkpoint: Union[Checkpoint, str, os.PathLike], 
                   states: bool = True, buffers: bool = True, gather: bool = True) -> LoadVerification:
     """Compare ``engine``'s fp32 masters, optimizer states (``states``: every per-element key each parameter's
     group keeps, Muon's whole-matrix momentum included), step and persistent buffers (``buffers``) with
-    ``checkpoint``, bit for bit. Call it on every rank after ``engine.load_checkpoint``.
+    ``checkpoint``, bit for bit. Call it on every rank after ``engine.load_checkpoint``. ``checkpoint`` may be a
+    universal folder (after a ``load_universal`` load: what the engine holds against the folder's values).
 
     Each rank compares the elements its own partitions hold (the engine's layout at its world size), read
     from the checkpoint piece by piece; with ``gather`` and ``torch.distributed`` initialised the ranks'
@@ -253,6 +254,10 @@ def verify_loaded(engine: Any, checkpoint: Union[Checkpoint, str, os.PathLike], 
     names = {p: n for n, p in model.named_parameters()}
     flats, runs = _live_layout(opt, names)
     out = LoadVerification(str(ck.location.tag_dir), _rank_of(None), _world_of(None))
+    if ck.universal is not None:
+        out.notes.append("a universal checkpoint: DeepSpeed's universal load (\"load_universal\": true) restores the "
+                         "masters, optimizer states and step; it restores no buffers and no frozen parameters, so "
+                         "a buffer the engine was built with differently is reported here")
     known = {p.name for p in ck.parameters}
     sources: dict = {}
 
