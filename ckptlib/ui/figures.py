@@ -233,6 +233,9 @@ def layout_figure(ckpt: "ckptlib.Checkpoint", panels: Optional[list[int]] = None
     ``highlight`` outlines one parameter (a tied alias highlights its owner) and fades the others.
     """
     all_panels = layout_panels(ckpt)
+    if not all_panels and ckpt.universal is not None:
+        return _message_figure("a universal checkpoint: every tensor whole in its own files (zero/<parameter>/), no "
+                               "rank partitions; `ckpt reshard` writes those of N ranks")
     if not all_panels:
         return _message_figure(f"ZeRO stage {ckpt.zero_stage}: no partitioned flat tensors to show "
                                "(every rank holds everything)")
@@ -326,6 +329,14 @@ def where_is(ckpt: "ckptlib.Checkpoint", name: str) -> list[dict]:
             rows.append({**where, "rank": pc.rank, "file": files.get(pc.rank, "?"), what: pc.group,
                          "offset": pc.rank_start, "elements": f"{pc.param_start}..{pc.param_start + pc.count}",
                          "count": pc.count})
+    if not rows and ckpt.universal is not None:  # one file per state, each the whole tensor
+        u = ckpt.main
+        frags = u.fragments.get(owner.name, {}) if owner.trainable else {}
+        out = [{"rank": "all", "file": frag.info.relpath, "group": owner.group if owner.trainable else "-",
+                "offset": frag.start, "elements": f"0..{owner.numel}", "count": owner.numel}
+               for key, frag in frags.items() if key != "step"]
+        return out or [{"rank": "all", "file": "the model-states file(s)", "group": "-", "offset": "-",
+                        "elements": f"0..{owner.numel}", "count": owner.numel}]
     if not rows:
         where = "the model-states file(s)" if not owner.trainable else "the model-states file (stage 0)"
         return [{"rank": "all", "file": where, "group": "-", "offset": "-", "elements": f"0..{owner.numel}",

@@ -58,7 +58,10 @@ class LayoutView(widgets.VBox):
                           self.errors])
         self.add_class("ckpt-layout-view")
         loc = ck.location
-        self.title.value = (f"<b>{loc.tag}</b>: ZeRO-{ck.zero_stage}, {ck.dp_world_size} ranks, "
+        self.title.value = (f"<b>{loc.tag}</b>: a universal checkpoint (from ZeRO-{ck.zero_stage}, "
+                            f"{ck.dp_world_size} ranks): every tensor whole in its own files, no partitions"
+                            if ck.universal is not None else
+                            f"<b>{loc.tag}</b>: ZeRO-{ck.zero_stage}, {ck.dp_world_size} ranks, "
                             f"{len(self.panels)} flat tensor(s) per rank. Coloured: parameters; hatched: padding.")
         self.render()
 
