@@ -319,3 +319,74 @@ def test_a_mutated_legacy_checkpoint_is_refused_naming_the_file_or_exported_exac
         _restore(ckpt, original)
     assert seen["refused"] > MUTATIONS // 3 and seen["exact"] > 0, seen
     print(name, seen)
+
+
+# ============================================================================================ universal folders
+UNIVERSAL_MUTATIONS = 80  # per fixture
+
+
+def _mutate_any(rng: random.Random, files: list, original: dict) -> tuple[str, list]:
+    """One mutation of one of ``files`` (flip, overwrite, zero, truncate, append, delete)."""
+    f = rng.choice(files)
+    size = len(original[f])
+    kind = rng.choice(["flip", "flip", "flip", "overwrite", "zero", "truncate", "append", "delete"])
+    if kind in ("flip", "overwrite", "zero"):
+        at = rng.randrange(size)
+        n = 1 if kind == "flip" else rng.randint(1, 16)
+        data = bytearray(original[f])
+        for i in range(at, min(size, at + n)):
+            data[i] = data[i] ^ (1 << rng.randrange(8)) if kind == "flip" else (
+                rng.randrange(256) if kind == "overwrite" else 0)
+        if bytes(data) == original[f]:
+            data[at] ^= 1
+        f.write_bytes(bytes(data))
+        return f"{kind} {f}@{at}+{n}", [(str(f), at, min(size, at + n))]
+    if kind == "truncate":
+        f.write_bytes(original[f][:rng.randrange(size)])
+    elif kind == "append":
+        f.write_bytes(original[f] + bytes(rng.randrange(256) for _ in range(rng.randint(1, 64))))
+    else:
+        f.unlink()
+    return f"{kind} {f}", []
+
+
+@pytest.mark.parametrize("name", ["z2_bf16_w2", "z3_bf16_w2"])
+def test_a_mutated_universal_folder_is_refused_naming_the_file_or_exported_exactly(fixture_by_name, tmp_path, name):
+    """Issue 32: universal folders are sources; damage to any of their files (zero/<parameter>/*.pt, the optimizer
+    state, the copied model-states files) is one CkptError naming the file, or the export (masters and exp_avg,
+    every CRC-32 read verified) is byte for byte the undamaged folder's and the damage lay outside what it reads."""
+    fx = fixture_by_name(name)
+    root = ckptlib.write_universal(fx["checkpoint_path"], tmp_path / "uc").out
+    uni = Path(root) / f"{fx['tag']}_universal"
+    original = _files(root)
+    files = sorted(p for p in original if p.suffix == ".pt")
+    clean = ckptlib.plan_export(uni, tmp_path / "ref", verify_crc=True, hf_files=False, states=["exp_avg"])
+    used = _read_bytes(clean)
+    ckptlib.export(clean)
+    reference = {p.relative_to(tmp_path / "ref"): p.read_bytes() for p in (tmp_path / "ref").rglob("*") if p.is_file()}
+    rng = random.Random(f"{SEED}-universal-{name}")
+    outcomes: dict = {"refused": 0, "exact": 0}
+    for i in range(UNIVERSAL_MUTATIONS):
+        what, changed = _mutate_any(rng, files, original)
+        out = tmp_path / f"out{i}"
+        try:
+            ckptlib.export(uni, out, verify_crc=True, hf_files=False, states=["exp_avg"])
+        except CkptError as e:
+            outcomes["refused"] += 1
+            assert e.path or str(uni) in str(e), (what, str(e))
+            if changed:
+                rel = str(Path(changed[0][0]).relative_to(uni)) if Path(changed[0][0]).is_relative_to(uni) else \
+                    Path(changed[0][0]).name
+                assert rel in str(e) or Path(changed[0][0]).name in str(e) and "zero/" not in rel, (what, str(e))
+            assert not out.exists(), what
+        except Exception as e:  # noqa: BLE001 - anything else is a bug the fuzzing found
+            raise AssertionError(f"{what}: {type(e).__name__}: {e}") from e
+        else:
+            outcomes["exact"] += 1
+            got = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+            assert got == reference, f"{what}: a successful export differs from the undamaged folder's"
+            for path, a, b in changed:
+                assert not any(lo < b and a < hi for lo, hi in used.get(path, [])), what
+            shutil.rmtree(out)
+        _restore(root, original)
+    assert outcomes["refused"] > UNIVERSAL_MUTATIONS // 3 and outcomes["exact"] > 0, outcomes
