@@ -272,13 +272,14 @@ def test_check_against_the_original_names_zeroed_moments_and_changed_steps(unive
 
 # ================================================================================================ parallel sources
 PARALLEL = ["tp2_dp2_z1_bf16", "pp2_dp2_z1_fp32"]
+TP_SOURCES = ["tp2_dp2_z1_bf16", "tp2_dp2_z2_fp32", "tp2_dp2_bf16opt"]
 
 
 @pytest.fixture(scope="module")
 def parallel_universal(parallel_fixtures, tmp_path_factory):
     root = tmp_path_factory.mktemp("upar")
     out, plan = {}, []
-    for name in PARALLEL:
+    for name in PARALLEL + TP_SOURCES[1:]:
         fx = parallel_fixtures[name]
         dst = root / name
         shutil.copytree(fx["checkpoint_path"], dst)
@@ -316,8 +317,85 @@ def test_a_tensor_or_pipeline_parallel_source(parallel_universal, tmp_path, name
         assert set(sa) == set(sb) and all(torch.equal(sa[n], sb[n]) for n in sa), k
     code, text = _cli("check", uni, "--against", original, "-q")
     assert code == 0, text
-    code, text = _cli("reshard", uni, tmp_path / "r", "--world-size", "2")
-    assert code == 2 and "not written yet" in text and "Traceback" not in text, text
+    if name.startswith("pp"):
+        code, text = _cli("reshard", uni, tmp_path / "r", "--world-size", "2")
+        assert code == 2 and "not written yet" in text and "layer files" in text and "Traceback" not in text, text
+
+
+def _differing(a, b, path: str, out: list) -> None:
+    """``(path, differing elements)`` of every tensor of tree ``a`` unlike ``b``'s (None: not comparable)."""
+    if torch.is_tensor(a):
+        if not (torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)):
+            same = torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape
+            out.append((path, int((a != b).sum()) if same else None))
+        return
+    if isinstance(a, dict):
+        for k in a:
+            _differing(a[k], b.get(k) if isinstance(b, dict) else None, f"{path}/{k}", out)
+    elif isinstance(a, (list, tuple)):
+        for i, x in enumerate(a):
+            _differing(x, b[i] if isinstance(b, (list, tuple)) and i < len(b) else None, f"{path}[{i}]", out)
+
+
+def _only_padding_rows(mine: Path, theirs: Path, fx, cols: int) -> None:
+    """Every file of ``theirs`` is in ``mine`` with the same tree (see _walk), and its tensors differ only in the
+    vocabulary's padding rows: no more differing elements than those rows hold, in the vocabulary weights and the
+    fp32 partitions that hold them."""
+    info = fx.get("vocab_info") or {}
+    vocab = list(fx.get("vocab") or [])
+    assert vocab and info.get("padded_vocab_size", 0) > info.get("original_vocab_size", 0), (vocab, info)
+    assert sorted(p.name for p in mine.iterdir()) == sorted(p.name for p in theirs.iterdir())
+    for f in sorted(theirs.iterdir()):
+        a, b = torch.load(f, weights_only=False), torch.load(mine / f.name, weights_only=False)
+        structure: list = []
+        _walk(a, b, f.name, structure)  # the same keys, types and lengths; values may differ (below)
+        assert not [d for d in structure if ": " in d], structure
+        out: list = []
+        _differing(a, b, f.name, out)
+        for path, n in out:
+            assert n is not None and (any(path.endswith(f"/module/{v}") for v in vocab)
+                                      or "single_partition_of_fp32_groups" in path), (path, n)
+        pad_elements = sum((info["padded_vocab_size"] - info["original_vocab_size"]) * cols for _ in vocab)
+        assert sum(n for _, n in out) <= pad_elements * 2, out  # each vocabulary tensor's rows, module and master
+
+
+@pytest.fixture(scope="module")
+def tp_loads(parallel_universal, tmp_path_factory):
+    """DeepSpeed loads (the parallel harness, an mpu model at tp 2) of the native tp 2 x dp 1 files made from
+    ds_to_universal's folder of tp2_dp2_z1_bf16."""
+    from tests.fixtures.parallel.check import make_job, run_load_checks
+
+    fx, _, uni = parallel_universal["tp2_dp2_z1_bf16"]
+    work = tmp_path_factory.mktemp("utp")
+    out = ckptlib.reshard(uni, work / "tp2dp1", 1).out
+    job, world = make_job(fx["path"], dp=1, checkpoint_dir=out, name="universal->tp2dp1")
+    return run_load_checks([job], world, work / "w")
+
+
+@pytest.mark.parametrize("name", TP_SOURCES)
+def test_a_tensor_parallel_universal_folder_back_to_native_files(parallel_universal, tp_loads, tmp_path, name):
+    """ds_to_universal cuts a tensor-parallel vocabulary to original_vocab_size rows; back to native files the
+    rows are padded to the recorded padded_vocab_size with zeros (as DeepSpeed's universal loader pads them) and the
+    tensors cut by the folder's universal_checkpoint_info. At the source's mesh (tp 2 x dp 2, the default) every
+    file is the original's, object for object and bit for bit, but the padding rows (never trained: the original
+    holds their initial values there); at tp 1 the native reshard of the original's, likewise; DeepSpeed loads the
+    tp 2 x dp 1 files natively with the reference's masters, moments and step on every real row (ZeRO-1 bf16; the
+    fp32 ZeRO-2 and BF16_Optimizer sources are compared file by file)."""
+    from tests.test_parallel_reshard import check_loaded
+
+    fx, original, uni = parallel_universal[name]
+    same_mesh = ckptlib.plan_reshard(uni, tmp_path / "same", 2)
+    assert (same_mesh.to_mesh.tp, same_mesh.to_mesh.dp) == (2, 2)
+    ckptlib.reshard(same_mesh)
+    assert ckptlib.verify(same_mesh).ok
+    tp1 = ckptlib.reshard(uni, tmp_path / "tp1", 2, tp=1).out
+    native_tp1 = ckptlib.reshard(fx["checkpoint_path"], tmp_path / "native_tp1", 2, tp=1).out
+    with ckptlib.open_checkpoint(uni) as ck:
+        cols = ck.param(fx["vocab"][0]).shape[1]
+    _only_padding_rows(tmp_path / "same" / fx["tag"], original, fx, cols)
+    _only_padding_rows(Path(tp1) / fx["tag"], Path(native_tp1) / fx["tag"], fx, cols)
+    if name == TP_SOURCES[0]:
+        check_loaded(fx, tp_loads["universal->tp2dp1"], universal=True)
 
 
 @pytest.mark.parametrize("name,m", UNIVERSAL_LOADS, ids=[f"{n}@{m}" for n, m in UNIVERSAL_LOADS])

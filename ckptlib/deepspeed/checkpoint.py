@@ -84,6 +84,8 @@ class Checkpoint:
         self.sequence_parallel, self.num_experts = joined.sequence_parallel, joined.num_experts
         self.refusals: list[str] = joined.refusals
         self.tp_rules = tp_rules
+        if tp_rules is None and isinstance(self.main, UniversalSet):  # the split rules its info records
+            self.tp_rules = self.main.universal.rules
         self.model_type: Optional[str] = None  # see in_layout
         self.layer_stages: dict = {}  # layer file path -> the stage that holds its layer
         for zs in self.sets.values():

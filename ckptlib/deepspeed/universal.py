@@ -24,12 +24,15 @@ A universal folder has no rank partitions: the partition API refuses (:meth:`Uni
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..errors import IncompleteCheckpointError, UnsupportedCheckpointError
+from ..errors import CkptError, IncompleteCheckpointError, UnsupportedCheckpointError
 from ..io.torchzip import TensorHandle
 from ..kinds.optimizers import GroupStates, StateKey, identify
+from ..layout.placement import Block, row_major_strides
+from ..layout.ranges import Zeros
 from ..mesh import Mesh, Rank
 from . import files as fnames
 from .files import UNIVERSAL_OPTIMIZER
@@ -38,9 +41,11 @@ from .model import ModelView, whole
 from .records import BF16_OPTIMIZER, ZERO, BufferInfo, FileInfo, OptimizerInfo, ParameterInfo, Records, TensorIndex
 from . import universal_parts as parts
 from .universal_parts import MASTER, STEP, Fragment, layer_buffer, obj_of, param_groups, zero3_frozen
+from .tensor_parallel import REPLICATED_KEY, ROW_KEY, VOCAB_KEY, SplitRules
 from .zeroset import MODULE, ZeroSet
 
 UNIVERSAL = "universal"                       # the flavor of a universal folder (Records.flavor)
+PAD = "\0padding of "                          # the block source of a padded vocabulary's zero rows
 
 
 @dataclass
@@ -64,6 +69,7 @@ class UniversalInfo:
     step_objects: dict = field(default_factory=dict, repr=False)   # name -> the step as stored (a tensor handle)
     optimizer_state: Any = field(default=None, repr=False)        # zero/optimizer_state.pt as unpickled
     param_groups: list = field(default_factory=list, repr=False)  # each group's hyper-parameters, as saved
+    rules: Optional[SplitRules] = field(default=None, repr=False)  # how its tensors split over tensor ranks
 
 
 class UniversalSet(ZeroSet):
@@ -76,6 +82,7 @@ class UniversalSet(ZeroSet):
         self._frozen = frozen             # name -> ranges
         self._buffer_ranges = buffers     # name -> ranges
         self.universal = universal
+        self.pads: dict = {}              # PAD + vocabulary name -> its padding elements (zeros)
 
     @property
     def files(self) -> list:
@@ -107,6 +114,8 @@ class UniversalSet(ZeroSet):
         return self.universal.steps.get(p.tied_to or p.name)
 
     def sources(self, name: str, key: Optional[str] = None) -> list:
+        if name in self.pads:  # a vocabulary's padding rows (see _padded_vocabulary): zeros
+            return [Zeros(self.pads[name])]
         if key is None and name in self._buffer_ranges:
             return list(self._buffer_ranges[name])
         p = self.param(name)
@@ -335,9 +344,46 @@ def join_universal(fs: OpenedFiles, notes: list, problems: list):
     params.sort(key=lambda p: at.get(p.name, len(at)))  # the state_dict's order, as a native checkpoint lists them
     blocks = {p.name: [whole((0, p.name), tuple(p.shape))] for p in params if not p.tied_to}
     blocks.update({b.name: [whole((0, b.name), tuple(b.shape))] for b in buffers})
+    uinfo.rules = _rules(uinfo.info, first.path, problems)
     view = ModelView(parameters=params, buffers=buffers, order=order, blocks=blocks,
-                     resolve=lambda source, key: uset.sources(source[1], key), sets={0: uset})
+                     resolve=lambda source, key: uset.sources(source[1], key), sets={0: uset},
+                     padded=_padded_vocabulary(uinfo, params, uset))
     return Joined(sets={0: uset}, view=view, kind="data_parallel", mesh=Mesh(dp=dp or 1))
+
+
+def _rules(info: Optional[dict], path, problems: list) -> Optional[SplitRules]:
+    """How the folder's whole tensors split over tensor ranks: its ``universal_checkpoint_info``, where it holds the
+    split patterns (a tensor-parallel source's)."""
+    if not info or not any(k in info for k in (REPLICATED_KEY, ROW_KEY, VOCAB_KEY)):
+        return None
+    try:
+        return SplitRules.from_info(info, origin=str(path))
+    except CkptError as e:
+        problems.append(f"universal_checkpoint_info: {e.message}")
+        return None
+
+
+def _padded_vocabulary(u: UniversalInfo, params: list, uset: UniversalSet) -> dict:
+    """``{name: (padded shape, blocks)}`` of each vocabulary tensor the folder holds cut to ``original_vocab_size``
+    rows (ds_to_universal cuts a tensor-parallel vocabulary's padding), padded back to the recorded
+    ``padded_vocab_size`` with zero rows, as DeepSpeed's universal loader pads them (what the ranks store)."""
+    info, rules = u.info or {}, u.rules
+    padded_rows = info.get("padded_vocab_size")
+    if rules is None or not isinstance(padded_rows, int) or not rules.vocabulary:
+        return {}
+    out = {}
+    for p in params:
+        if p.tied_to or not p.shape or padded_rows <= p.shape[0] or \
+                not any(re.match(pat, p.name) for pat in rules.vocabulary):
+            continue
+        full = (padded_rows, *p.shape[1:])
+        st = row_major_strides(full)
+        rest = math.prod(p.shape[1:])
+        pad = (padded_rows - p.shape[0], *p.shape[1:])
+        uset.pads[PAD + p.name] = math.prod(pad)
+        out[p.name] = (full, [Block((0, p.name), tuple(p.shape), 0, st, 0, row_major_strides(p.shape)),
+                              Block((0, PAD + p.name), pad, p.shape[0] * rest, st, 0, row_major_strides(pad))])
+    return out
 
 
 __all__ = ["UNIVERSAL", "UniversalSet", "UniversalInfo", "Fragment",

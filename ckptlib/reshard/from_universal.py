@@ -39,11 +39,17 @@ def refuse_for_native(ck: Checkpoint, mesh=None) -> None:
     not write yet, refused with the reason."""
     u = ck.universal
     src = u.source_mesh
-    if src.tp > 1 or src.pp > 1 or (mesh is not None and (mesh.tp > 1 or mesh.pp > 1)):
+    pipeline = src.pp > 1 or any(f.kind == fnames.MODEL_STATES and f.path.name.startswith("mp_rank") for f in ck.files) \
+        and ck.model_states_file().obj.get("module") is None
+    if pipeline or (mesh is not None and mesh.pp > 1):
         raise UnsupportedCheckpointError(
-            f"native files of a tensor- or pipeline-parallel mesh from a universal checkpoint (its source: tp={src.tp} "
-            f"pp={src.pp}) are not written yet: a pipeline's layer files and a tensor-parallel vocabulary's padding "
-            "are not in the folder", path=ck.location.tag_dir,
+            f"native pipeline files from a universal checkpoint (its source: pp={src.pp}) are not written yet: the "
+            "layer files that say how layers make stages, and hold the buffers, are not in the folder",
+            path=ck.location.tag_dir,
+            hint="DeepSpeed resumes from it with \"load_universal\": true; `ckpt export` writes its full model")
+    if ((u.info or {}).get("affine_map") or {}).get("params"):
+        raise UnsupportedCheckpointError(
+            "native AutoTP files from a universal checkpoint are not written yet", path=ck.location.tag_dir,
             hint="DeepSpeed resumes from it with \"load_universal\": true; `ckpt export` writes its full model")
     if u.step_conflicts:
         raise UnsupportedCheckpointError(

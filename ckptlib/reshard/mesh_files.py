@@ -15,6 +15,7 @@ from typing import Any, Optional
 from ..deepspeed import Checkpoint, ZeroSet
 from ..deepspeed import files as fnames
 from ..deepspeed.zeroset import MODULE
+from ..dtypes import BY_SHORT
 from ..io.torchzip import TensorHandle
 from ..io.torchzip.standins import TorchSize
 from ..layout.flat import FlatGroupLayout, Zero3Layout, zero3_sub_groups
@@ -69,7 +70,12 @@ class ShardRanges:
 
     def dtype(self, t: TargetTensor, key: Optional[str]) -> str:
         ranges, _ = self.full(t.name, key)
-        return next((r.dtype for r in ranges if not isinstance(r, Zeros)), "float32")
+        stored = next((r.dtype for r in ranges if not isinstance(r, Zeros)), "float32")
+        if key == MODULE and self.ck.universal is not None and t.trainable:
+            # a universal folder holds a tensor-parallel shard's 16-bit weight only as its master: the module
+            # weight is the master rounded to the training dtype (what the engine's 16-bit copy is after a step)
+            return BY_SHORT[self.ck.dtype].name if self.ck.dtype in BY_SHORT else stored
+        return stored
 
 
 def target_layouts(ts: TargetSet, world_size: int) -> list[FlatGroupLayout]:

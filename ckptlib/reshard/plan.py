@@ -149,7 +149,8 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
     for what, size in (("data-parallel", world_size), ("tensor-parallel", tp), ("pipeline", pp), ("expert-parallel", ep)):
         if size is not None and size < 1:
             raise CkptError(f"the target {what} size must be at least 1")
-    mesh = Mesh(dp=world_size, tp=tp or ck.mesh.tp, pp=pp or ck.mesh.pp, ep=ep or ck.mesh.ep)
+    like = ck.universal.source_mesh if ck.universal is not None else ck.mesh  # a universal folder: its source's
+    mesh = Mesh(dp=world_size, tp=tp or like.tp, pp=pp or like.pp, ep=ep or ck.mesh.ep)
     gpu = parse_size(gpu_memory) if isinstance(gpu_memory, str) else gpu_memory
     if ck.records.autoep_layers:  # AutoEP: each ep rank's stacked experts cut from the full weights
         files, notes = plan_autoep_files(ck, mesh, hf_files=hf_files)
