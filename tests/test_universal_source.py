@@ -411,3 +411,52 @@ def test_verify_loaded_after_a_universal_load(loads, name, m):
     assert "error" not in bad, bad.get("error")
     assert not bad["verify"]["ok"]
     assert {(n, w) for n, w, _ in bad["verify"]["mismatches"]} == {("fc1.weight", "exp_avg")}, bad["verify"]
+
+
+# ================================================================================================ AutoEP
+AUTOEP = ["mixtral_z2_w2_ep2", "mixtral_z3_w2_ep2"]
+
+
+@pytest.fixture(scope="module")
+def autoep_universal(autoep_fixtures, tmp_path_factory):
+    root = tmp_path_factory.mktemp("uautoep")
+    out, plan = {}, []
+    for name in AUTOEP:
+        fx = autoep_fixtures[name]
+        dst = root / name
+        shutil.copytree(fx["checkpoint_path"], dst)
+        plan.append([str(dst / fx["tag"]), str(dst / f"{fx['tag']}_universal")])
+        out[name] = (fx, dst / fx["tag"], dst / f"{fx['tag']}_universal")
+    proc = subprocess.run([sys.executable, "-c", DS_CONVERT, json.dumps(plan)], env=launch_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("name", AUTOEP)
+def test_an_autoep_universal_folder(autoep_universal, tmp_path, name):
+    """ds_to_universal's folder of an AutoEP run (Mixtral, ep 2, ZeRO-2 and ZeRO-3): each layer's experts are one
+    [experts, ...] tensor under the engine's name, the gate its router's alias (ds_to_universal writes the 16-bit copy
+    of it in a folder of its own, which is not read); it equals the original tensor for tensor with every state and
+    step (diff and check --against), exports as the original does (in transformers' Mixtral layout with the model
+    config), and reshard to native files is refused."""
+    fx, original, uni = autoep_universal[name]
+    code, text = _cli("inspect", uni, "--json")
+    assert code == 0, text
+    d = json.loads(text)
+    assert d["universal"]["experts"] == "AutoEP" and not d["problems"], d["problems"]
+    experts = [p for p in d["parameters"] if p["name"].endswith("mlp.experts.w1")]
+    assert experts and all(p["shape"][0] == 4 for p in experts), experts  # all 4 experts, not ep rank 0's 2
+    assert any(p["tied_to"] and p["name"].endswith("gate.gate.weight") for p in d["parameters"])
+    result = ckptlib.diff(original, uni, states=True)
+    assert result.ok and any(t.key.startswith("step/") for t in result.tensors), result.summary()
+    code, text = _cli("check", uni, "--against", original, "-q")
+    assert code == 0, text
+    config = fx["path"] / "hf_config" / "config.json"  # the experts in transformers' Mixtral layout, as natively
+    a = ckptlib.export(original, tmp_path / "a", states=["all"], model_config=config).out
+    b = ckptlib.export(uni, tmp_path / "b", states=["all"], model_config=config).out
+    for sub in ("", "exp_avg", "exp_avg_sq"):
+        wa, wb = load_file(Path(a) / sub / "model.safetensors"), load_file(Path(b) / sub / "model.safetensors")
+        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), sub
+    code, text = _cli("reshard", uni, tmp_path / "r", "--world-size", "2")
+    assert code == 2 and "mixture-of-experts model (AutoEP)" in text and "Traceback" not in text, text

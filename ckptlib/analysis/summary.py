@@ -86,7 +86,8 @@ def describe(ckpt: Checkpoint) -> dict[str, Any]:
         "universal": None if ckpt.universal is None else {
             "written_by": ckpt.universal.written_by, "source_zero_stage": ckpt.universal.source_stage,
             "source_flavor": ckpt.universal.source_flavor, "source_mesh": dataclasses.asdict(ckpt.universal.source_mesh),
-            "steps": dict(ckpt.universal.steps), "absent": list(ckpt.universal.absent)},
+            "steps": dict(ckpt.universal.steps), "absent": list(ckpt.universal.absent),
+            "experts": ckpt.universal.experts},
     }
 
 
@@ -140,7 +141,7 @@ def format_text(ckpt: Checkpoint) -> str:
         m = u.source_mesh
         lines.append(f"universal   every tensor whole, one file each (zero/<parameter>/), written by {u.written_by} "
                      f"from a {'BF16_Optimizer' if u.source_flavor == 'bf16_optimizer' else f'ZeRO-{u.source_stage}'}"
-                     f" checkpoint of dp={m.dp} tp={m.tp} pp={m.pp}")
+                     f" checkpoint of dp={m.dp} tp={m.tp} pp={m.pp}" + (f", {u.experts} experts" if u.experts else ""))
     lines += [
         f"ZeRO stage  {ckpt.zero_stage}{flavor}" + (" (of the source)" if u is not None else ""),
         f"dtype       {ckpt.dtype}",

@@ -34,6 +34,7 @@ from ..kinds.optimizers import GroupStates, StateKey, identify
 from ..layout.placement import Block, row_major_strides
 from ..layout.ranges import Zeros
 from ..mesh import Mesh, Rank
+from . import autoep
 from . import files as fnames
 from .files import UNIVERSAL_OPTIMIZER
 from .fileset import OpenedFiles
@@ -70,6 +71,7 @@ class UniversalInfo:
     optimizer_state: Any = field(default=None, repr=False)        # zero/optimizer_state.pt as unpickled
     param_groups: list = field(default_factory=list, repr=False)  # each group's hyper-parameters, as saved
     rules: Optional[SplitRules] = field(default=None, repr=False)  # how its tensors split over tensor ranks
+    experts: Optional[str] = None  # "AutoEP" or "DeepSpeed-MoE": a mixture-of-experts model's
 
 
 class UniversalSet(ZeroSet):
@@ -180,7 +182,7 @@ def join_universal(fs: OpenedFiles, notes: list, problems: list):
     tp = dims.get("tp_degree") if isinstance(dims.get("tp_degree"), int) else mp
     pp = dims.get("pp_degree") if isinstance(dims.get("pp_degree"), int) else max(1, mp // max(tp, 1))
     dp = model.get("dp_world_size") if isinstance(model.get("dp_world_size"), int) else None
-    fragments, master_shapes, locals_of = parts.fragments(fs, model, problems)
+    fragments, master_shapes, locals_of, whole_experts = parts.fragments(fs, model, problems)
     module = model.get("module") if isinstance(model.get("module"), dict) else None
     # ds_to_universal gives buffers and tied aliases a zero/ folder and ZeRO-3 parameters flat tensors without a
     # step.pt; ckptlib does neither
@@ -208,6 +210,11 @@ def join_universal(fs: OpenedFiles, notes: list, problems: list):
         shared.update(m.get("shared_params") if isinstance(m.get("shared_params"), dict) else {})
         for name, t in (m.get("module") or {}).items() if isinstance(m.get("module"), dict) else ():
             index.module.setdefault(name, t)
+    # AutoEP's router alias (the gate is the router: one parameter, saved twice), its two saved copies compared
+    # before a conversion relies on it; ds_to_universal's zero/ folder for it holds the 16-bit copy and is not read
+    layers = autoep.layers_of(model)
+    shared.update(autoep.router_aliases(layers, index.module, index.alias_proofs))
+    uinfo.experts = "AutoEP" if layers else "DeepSpeed-MoE" if model.get("num_experts") else None
     for m in mp_models:
         local_shapes = {}
         for g, group in enumerate(m.get("param_shapes") or []):
@@ -227,7 +234,8 @@ def join_universal(fs: OpenedFiles, notes: list, problems: list):
                 params.append(ParameterInfo(name=name, shape=tuple(shape), trainable=False))
     for p in params:  # a tensor-parallel source records its rank's shapes: the full one is the master file's
         full = master_shapes.get(p.name)
-        if full is not None and len(full) == len(p.shape) and math.prod(full) != p.numel and tp > 1:
+        if full is not None and len(full) == len(p.shape) and math.prod(full) != p.numel and \
+                (tp > 1 or p.name in whole_experts):  # AutoEP's experts: ep rank 0's [local experts, ...] listed
             p.shape = full
     known = {p.name: p for p in params}
     for name in sorted((n for n in locals_of if n not in known), key=fnames.natural_key):
@@ -331,7 +339,8 @@ def join_universal(fs: OpenedFiles, notes: list, problems: list):
     dtype = "bf16" if bf16 else "fp16" if fp16 else "fp32"
     rec = Records(files=fs.files, zero_stage=stage, flavor=UNIVERSAL, dtype=dtype, dp_world_size=dp,
                   mp_world_size=mp, partition_count=dp, deepspeed_version=model.get("ds_version"), ds_config=cfg,
-                  optimizer=optimizer, parameters=params, buffers=buffers, index=index)
+                  optimizer=optimizer, parameters=params, buffers=buffers, index=index,
+                  autoep_layers=layers)  # AutoEP: the export's model-class layout reads them
     uset = UniversalSet(rec, fs, fragments, frozen, buffer_ranges, uinfo)
     notes.append(f"a universal checkpoint written by {written} from a ZeRO-{stage} checkpoint of "
                  f"{uinfo.source_mesh.dp * uinfo.source_mesh.tp * uinfo.source_mesh.pp} ranks (dp={uinfo.source_mesh.dp} "

@@ -15,7 +15,7 @@ from .fileset import OpenedFiles
 from .records import FileInfo, ParameterInfo
 
 MASTER, STEP = "fp32", "step"                 # the file stems of the master and the step
-ISEXPERT_PARAM, EP_NUMEXPERTS = "is_expert_param", "ep_num_experts"
+IS_EXPERT_PARAM, EP_NUM_EXPERTS = "is_expert_param", "ep_num_experts"
 EXPERT = re.compile(r"(deepspeed_experts\.)(\d+)(\.)")
 
 @dataclass
@@ -76,12 +76,15 @@ def _unstack(local: str, frag: Fragment, ep: Any, model: dict) -> Optional[list]
 
 
 
-def fragments(fs: OpenedFiles, model: dict, problems: list) -> tuple[dict, dict, dict]:
-    """``({name: {key: Fragment}}, {name: shape of the master file}, {global expert name: its local folder})`` of
-    every ``zero/<name>/<key>.pt``."""
+def fragments(fs: OpenedFiles, model: dict, problems: list) -> tuple[dict, dict, dict, set]:
+    """``({name: {key: Fragment}}, {name: shape of the master file}, {global expert name: its local folder}, {AutoEP
+    expert tensors held whole})`` of every ``zero/<name>/<key>.pt``: DeepSpeed-MoE's expert folders (``...
+    deepspeed_experts.<i>...``) stack one expert of each expert-parallel rank, AutoEP's hold all the experts of a
+    layer ([experts, ...]) under the name the engine trains."""
     out: dict = {}
     shapes: dict = {}
     locals_of: dict = {}
+    whole_experts: set = set()
     for f in fs.files:
         if f.kind != FRAGMENT:
             continue
@@ -98,10 +101,12 @@ def fragments(fs: OpenedFiles, model: dict, problems: list) -> tuple[dict, dict,
             continue
         frag = Fragment(f, h)
         state = None if key == MASTER else key
-        if isinstance(obj, dict) and obj.get(ISEXPERT_PARAM):
-            parts = _unstack(folder, frag, obj.get(EP_NUMEXPERTS), model)
+        if isinstance(obj, dict) and obj.get(IS_EXPERT_PARAM) and not EXPERT.search(folder):
+            whole_experts.add(folder)  # AutoEP: the [experts, ...] tensor of every expert, under the engine's name
+        elif isinstance(obj, dict) and obj.get(IS_EXPERT_PARAM):
+            parts = _unstack(folder, frag, obj.get(EP_NUM_EXPERTS), model)
             if parts is None:
-                problems.append(f"{f.relpath}: an expert file stacking {obj.get(EP_NUMEXPERTS)!r} experts that the "
+                problems.append(f"{f.relpath}: an expert file stacking {obj.get(EP_NUM_EXPERTS)!r} experts that the "
                                 f"model's num_experts ({model.get('num_experts')}) and its shape {tuple(h.shape)} do "
                                 "not explain")
                 continue
@@ -118,7 +123,7 @@ def fragments(fs: OpenedFiles, model: dict, problems: list) -> tuple[dict, dict,
         step = out.get(folder, {}).get(STEP)
         if step is not None:
             out.setdefault(name, {}).setdefault(STEP, step)
-    return out, shapes, locals_of
+    return out, shapes, locals_of, whole_experts
 
 
 

@@ -55,10 +55,11 @@ def refuse_for_native(ck: Checkpoint, mesh=None) -> None:
         raise UnsupportedCheckpointError(
             "; ".join(u.step_conflicts) + ": a native checkpoint keeps one step per optimizer group",
             path=ck.location.tag_dir, hint="`ckpt diff ORIGINAL THIS --states` shows which step.pt was changed")
-    if ck.num_experts or any(fnames.FRAGMENT == f.kind and "deepspeed_experts" in f.relpath for f in ck.files):
-        raise UnsupportedCheckpointError("a universal checkpoint of a mixture-of-experts model back to native files "
-                                         "is not supported yet", path=ck.location.tag_dir,
-                                         hint="DeepSpeed resumes from it with \"load_universal\": true")
+    if u.experts:
+        raise UnsupportedCheckpointError(f"a universal checkpoint of a mixture-of-experts model ({u.experts}) back to "
+                                         "native files is not supported yet", path=ck.location.tag_dir,
+                                         hint="DeepSpeed resumes from it with \"load_universal\": true; `ckpt export` "
+                                              "writes its full model")
     if (ck.ds_config.get("zero_optimization") or {}).get("round_robin_gradients"):
         raise UnsupportedCheckpointError(
             "its run had round_robin_gradients, whose flat groups are not in the order the universal folder lists "

@@ -18,6 +18,7 @@ from ..system.gcpause import gc_paused
 from ..units import human_bytes, parse_size
 from .autoep import plan_autoep_files
 from .footprint import footprint
+from .from_universal import refuse_for_native
 from .mesh_plan import plan_mesh_files
 from .moe import plan_moe_files
 from .trees import TreeFiles, batch_note, carried, client_files, converter_scripts
@@ -152,6 +153,8 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
     like = ck.universal.source_mesh if ck.universal is not None else ck.mesh  # a universal folder: its source's
     mesh = Mesh(dp=world_size, tp=tp or like.tp, pp=pp or like.pp, ep=ep or ck.mesh.ep)
     gpu = parse_size(gpu_memory) if isinstance(gpu_memory, str) else gpu_memory
+    if ck.universal is not None:
+        refuse_for_native(ck, mesh)
     if ck.records.autoep_layers:  # AutoEP: each ep rank's stacked experts cut from the full weights
         files, notes = plan_autoep_files(ck, mesh, hf_files=hf_files)
         return ReshardPlan(source=ck.source_ref(), out=Path(out).expanduser().resolve(), world_size=world_size,
