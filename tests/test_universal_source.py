@@ -460,3 +460,24 @@ def test_an_autoep_universal_folder(autoep_universal, tmp_path, name):
         assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), sub
     code, text = _cli("reshard", uni, tmp_path / "r", "--world-size", "2")
     assert code == 2 and "mixture-of-experts model (AutoEP)" in text and "Traceback" not in text, text
+
+
+# ================================================================================================ off DeepSpeed
+@pytest.mark.parametrize("name", ["z2_bf16_w2", "z3_bf16_w2"])
+def test_dcp_with_the_optimizer_from_a_universal_folder(universal, fixture_by_name, tmp_path, name):
+    """`ckpt export UNIVERSAL OUT --format dcp --optimizer` carries a run off DeepSpeed from its universal folder:
+    the DCP checkpoint (model, AdamW states, steps, hyper-parameters), read back by torch's own dcp_to_torch_save,
+    equals the one exported from the original, object for object; `--universal` on a universal folder is refused."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    fx = fixture_by_name(name)
+    trees = []
+    for what, src in (("native", fx["checkpoint_path"]), ("universal", universal[(name, "ds")])):
+        out = ckptlib.export(src, tmp_path / what, format="dcp", dcp={"optimizer": True}).out
+        dcp_to_torch_save(out, tmp_path / f"{what}.pt")
+        trees.append(torch.load(tmp_path / f"{what}.pt", weights_only=False))
+    diffs: list = []
+    _walk(trees[0], trees[1], "dcp", diffs)
+    assert not diffs and trees[0]["optimizer"]["state"], diffs[:5]
+    code, text = _cli("reshard", universal[(name, "ds")], tmp_path / "u", "--universal")
+    assert code == 2 and "already a universal checkpoint" in text, text

@@ -66,6 +66,8 @@ def hyper_value(v: Any, what: str) -> Any:
 def _base_groups(ck: Checkpoint, mp: int) -> list[dict]:
     """The base optimizer's parameter groups of model-parallel rank ``mp``'s set, with ``params``."""
     zs = ck.sets[mp]
+    if ck.universal is not None:  # one optimizer group per parameter group (its hyper-parameters, as saved)
+        return [dict(h, params=[g]) for g, h in enumerate(ck.universal.param_groups)]
     if ck.flavor == NO_ZERO:
         opt = zs.records.index.stage0_optimizer or {}
         inner = opt.get("optimizer_state_dict", opt) if isinstance(opt, dict) else {}

@@ -373,6 +373,10 @@ def plan_universal(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[s
     Memory: the plan (object trees whose tensors are range lists, not read yet).
     """
     ck = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, tag=tag, tp_rules=tp_rules)
+    if ck.universal is not None:
+        raise UnsupportedCheckpointError("this is already a universal checkpoint: DeepSpeed loads it at any size",
+                                         path=ck.location.tag_dir,
+                                         hint="`ckpt reshard THIS OUT --world-size N` writes native files of N ranks")
     require_exact(ck)  # the validation export and reshard run too
     refuse_unplaced_states(ck)
     if ck.flavor == NO_ZERO:
