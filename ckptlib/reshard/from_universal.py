@@ -15,15 +15,12 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Optional
 
-from ..deepspeed import BF16_OPTIMIZER, Checkpoint
+from ..deepspeed import Checkpoint
 from ..deepspeed import files as fnames
 from ..errors import UnsupportedCheckpointError
 from ..mesh import Rank
 
 UNIVERSAL_SUFFIX = "_universal"
-# entries of a ZeRO-1/2 (or BF16_Optimizer) optimizer_state_dict that ds_to_universal leaves out of
-# zero/optimizer_state.pt; the writers put them back, cut for the new size
-_PARTITIONED = ("base_optimizer_state", "single_partition_of_fp32_groups", "param_slice_mappings")
 # a per-element state in the template: the writers replace it by the state cut for each rank (saved without grad)
 _STATE_PLACEHOLDER = SimpleNamespace(requires_grad=False)
 
@@ -123,10 +120,6 @@ class UniversalTemplate:
 
     def partition_tensor(self, rank: Rank, group: int, state: Optional[str] = None):
         return SimpleNamespace(requires_grad=True)  # DeepSpeed's fp32 partitions are saved with requires_grad
-
-    @property
-    def bf16_optimizer(self) -> bool:
-        return self.flavor == BF16_OPTIMIZER
 
 
 __all__ = ["UniversalTemplate", "native_tag", "refuse_for_native", "UNIVERSAL_SUFFIX"]
