@@ -458,8 +458,60 @@ def test_an_autoep_universal_folder(autoep_universal, tmp_path, name):
     for sub in ("", "exp_avg", "exp_avg_sq"):
         wa, wb = load_file(Path(a) / sub / "model.safetensors"), load_file(Path(b) / sub / "model.safetensors")
         assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), sub
-    code, text = _cli("reshard", uni, tmp_path / "r", "--world-size", "2")
-    assert code == 2 and "mixture-of-experts model (AutoEP)" in text and "Traceback" not in text, text
+    if "_z3_" in name:
+        code, text = _cli("reshard", uni, tmp_path / "r", "--world-size", "2")
+        assert code == 2 and "ZeRO-3 AutoEP run" in text and "Traceback" not in text, text
+
+
+#: (world, ep) the ZeRO-2 AutoEP folder goes back to: its own mesh, and ep 4 at 4 ranks
+AUTOEP_NATIVE = [(2, 2), (4, 4)]
+
+
+@pytest.fixture(scope="module")
+def autoep_loads(autoep_universal, tmp_path_factory):
+    from tests.fixtures.autoep.load_check import job_for_fixture, run_load_checks
+
+    fx, _, uni = autoep_universal["mixtral_z2_w2_ep2"]
+    work = tmp_path_factory.mktemp("uautoep-loads")
+    results = {}
+    for world, ep in AUTOEP_NATIVE:
+        out = ckptlib.reshard(uni, work / f"w{world}ep{ep}", world, ep=ep).out
+        job = job_for_fixture(fx, checkpoint_dir=out, name=f"universal->w{world}ep{ep}", ep_size=ep)
+        results.update(run_load_checks([job], world, work / f"run-w{world}", timeout=300))
+    return results
+
+
+@pytest.mark.parametrize("world,ep", AUTOEP_NATIVE, ids=[f"w{w}ep{e}" for w, e in AUTOEP_NATIVE])
+def test_an_autoep_universal_folder_back_to_native_files(autoep_universal, autoep_fixtures, autoep_loads, tmp_path,
+                                                         world, ep):
+    """ZeRO-2 AutoEP (Mixtral, ep 2) from ds_to_universal's folder to native files at 2 ranks ep 2 and 4 ranks ep 4:
+    every file, the per-expert 16-bit files made from the masters included, is what the native reshard of the
+    original writes, object for object and bit for bit, but universal_checkpoint_info's expert_parameter_patterns,
+    which ds_to_universal rewrote in the model-states file it copied ('.*\\.experts...' -> '\\.experts...'); DeepSpeed's
+    AutoEP engine loads them with the reference's masters, moments, 16-bit weights and step."""
+    fx, original, uni = autoep_universal["mixtral_z2_w2_ep2"]
+    plan = ckptlib.plan_reshard(uni, tmp_path / "mine", world, ep=ep)
+    ckptlib.run(plan)
+    assert ckptlib.verify(plan).ok
+    native = ckptlib.reshard(fx["checkpoint_path"], tmp_path / "native", world, ep=ep).out
+    a, b = Path(native) / fx["tag"], tmp_path / "mine" / fx["tag"]
+    assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir())
+    for f in sorted(a.iterdir()):
+        diffs: list = []
+        _walk(torch.load(f, weights_only=False), torch.load(b / f.name, weights_only=False), f.name, diffs)
+        assert all("universal_checkpoint_info/expert_parameter_patterns" in d for d in diffs), diffs[:5]
+    got = autoep_loads[f"universal->w{world}ep{ep}"]
+    assert "error" not in got, got.get("error")
+    assert got["world_size"] == world and got["ep_size"] == ep
+    ref = torch.load(fx["path"] / "reference.pt", weights_only=False)
+    loaded = got["loaded"]
+    for n, want in ref["params"].items():
+        assert torch.equal(loaded["params"][n], want), n
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(loaded["states"][key][n], ref["states"][key][n]), (key, n)
+    for n, want in ref["module16"].items():
+        assert torch.equal(loaded["module16"][n], want), n
+    assert loaded["step"] == ref["step"] and not loaded["problems"], loaded["problems"]
 
 
 # ================================================================================================ off DeepSpeed

@@ -281,8 +281,9 @@ def _verify_reshard(plan, src: Checkpoint, out: Path, cmp: Comparer, share: Shar
         if new.view is None or src.view is None:
             checks.append(Check("the output's model joins", False, "; ".join(new.refusals) or "no model view"))
             return checks
-        same = [(p.name, new.view.full_shape(p.name, padded=True), p.trainable, p.tied_to) for p in new.parameters] == \
-            [(p.name, src.view.full_shape(p.name, padded=True), p.trainable, p.tied_to) for p in src.parameters]
+        same = {p.name: (new.view.full_shape(p.name, padded=True), p.trainable, p.tied_to) for p in new.parameters} == \
+            {p.name: (src.view.full_shape(p.name, padded=True), p.trainable, p.tied_to) for p in src.parameters} \
+            and len(new.parameters) == len(src.parameters)  # the same names (the order is each model view's)
         checks.append(Check("same parameters, shapes, frozen and tied ones", same, f"{len(new.parameters)} parameters"))
         if new.problems or not same:
             return checks

@@ -215,6 +215,9 @@ def join_universal(fs: OpenedFiles, notes: list, problems: list):
     layers = autoep.layers_of(model)
     shared.update(autoep.router_aliases(layers, index.module, index.alias_proofs))
     uinfo.experts = "AutoEP" if layers else "DeepSpeed-MoE" if model.get("num_experts") else None
+    if layers:  # the expert-parallel size it ran at
+        uinfo.source_mesh = Mesh(dp=uinfo.source_mesh.dp, tp=uinfo.source_mesh.tp, pp=uinfo.source_mesh.pp,
+                                 ep=layers[0].ep)
     for m in mp_models:
         local_shapes = {}
         for g, group in enumerate(m.get("param_shapes") or []):

@@ -17,6 +17,7 @@ from ..plan import CopyFile, Plan, TextFile
 from ..system.gcpause import gc_paused
 from ..units import human_bytes, parse_size
 from .autoep import plan_autoep_files
+from .autoep_universal import plan_autoep_from_universal
 from .footprint import footprint
 from .from_universal import refuse_for_native
 from .mesh_plan import plan_mesh_files
@@ -151,15 +152,18 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
         if size is not None and size < 1:
             raise CkptError(f"the target {what} size must be at least 1")
     like = ck.universal.source_mesh if ck.universal is not None else ck.mesh  # a universal folder: its source's
-    mesh = Mesh(dp=world_size, tp=tp or like.tp, pp=pp or like.pp, ep=ep or ck.mesh.ep)
+    mesh = Mesh(dp=world_size, tp=tp or like.tp, pp=pp or like.pp, ep=ep or like.ep)
     gpu = parse_size(gpu_memory) if isinstance(gpu_memory, str) else gpu_memory
     if ck.universal is not None:
         refuse_for_native(ck, mesh)
     if ck.records.autoep_layers:  # AutoEP: each ep rank's stacked experts cut from the full weights
-        files, notes = plan_autoep_files(ck, mesh, hf_files=hf_files)
+        if ck.universal is not None:
+            files, notes, tag_name = plan_autoep_from_universal(ck, mesh, hf_files=hf_files)
+        else:
+            (files, notes), tag_name = plan_autoep_files(ck, mesh, hf_files=hf_files), ck.location.tag
         return ReshardPlan(source=ck.source_ref(), out=Path(out).expanduser().resolve(), world_size=world_size,
-                           files=files, finals=[TextFile("latest", ck.location.tag, kind="latest")],
-                           folders=[ck.location.tag], chunk_bytes=chunk_bytes, overwrite=overwrite, sync=sync,
+                           files=files, finals=[TextFile("latest", tag_name, kind="latest")],
+                           folders=[tag_name], chunk_bytes=chunk_bytes, overwrite=overwrite, sync=sync,
                            notes=notes + optimizer_notes(ck), checks=replica_checks(ck) + value_proofs(ck),
                            workers=workers or default_workers(), from_mesh=ck.mesh, to_mesh=mesh, gpu_memory=gpu,
                            crc=every_entry(ck) if verify_crc else [])
