@@ -93,6 +93,12 @@ def describe(ckpt: Checkpoint) -> dict[str, Any]:
 
 def parallel_line(ckpt: Checkpoint) -> str:
     """What parallelism the run had, in words."""
+    u = ckpt.universal
+    if u is not None and not ckpt.records.autoep_layers:  # a universal folder: its source's, which it records
+        m = u.source_mesh
+        said = ([f"pipeline, {m.pp} stages"] if m.pp > 1 else []) + ([f"tensor parallel, {m.tp} tensor ranks"]
+                                                                     if m.tp > 1 else [])
+        return "; ".join(said + [f"data parallel, {m.dp} ranks"]) + " (the source's)"
     parts = []
     if ckpt.kind == "pipeline":
         parts.append(f"pipeline, {ckpt.mesh.pp} stages" + (
@@ -145,8 +151,9 @@ def format_text(ckpt: Checkpoint) -> str:
     lines += [
         f"ZeRO stage  {ckpt.zero_stage}{flavor}" + (" (of the source)" if u is not None else ""),
         f"dtype       {ckpt.dtype}",
-        f"world size  dp={ckpt.mesh.dp} pp={ckpt.mesh.pp} tp={ckpt.mesh.tp} ep={ckpt.mesh.ep} "
-        f"sp={ckpt.sequence_parallel}",
+        (f"world size  dp={ckpt.mesh.dp} pp={ckpt.mesh.pp} tp={ckpt.mesh.tp} ep={ckpt.mesh.ep} sp={ckpt.sequence_parallel}"
+         if u is None else f"world size  dp={u.source_mesh.dp} pp={u.source_mesh.pp} tp={u.source_mesh.tp} "
+                           f"ep={u.source_mesh.ep} (the source's; the folder's tensors are whole)"),
         f"parallel    {parallel_line(ckpt)}",
         f"DeepSpeed   {ckpt.deepspeed_version}",
     ]
