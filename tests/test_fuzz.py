@@ -36,13 +36,13 @@ def _restore(root: Path, original: dict[Path, bytes]) -> None:
             p.write_bytes(data)
 
 
-def _mutate(rng: random.Random, tag: Path, ckpt: Path, original: dict) -> tuple[str, list]:
-    """Apply one mutation; ``(what, [(path, first byte, end)] it changed, or [] when not byte-local)``."""
-    ranks = sorted(tag.glob("*optim_states.pt")) + sorted(tag.glob("*model_states.pt"))
-    f = rng.choice(ranks)
+BYTE_KINDS = ("flip", "overwrite", "zero", "truncate", "append", "delete")
+
+
+def _damage(rng: random.Random, f: Path, original: dict, kind: str, label: str) -> tuple[str, list]:
+    """Damage file ``f`` one way of :data:`BYTE_KINDS`; ``(what, [(path, first byte, end)] it changed, or [] when
+    not byte-local)``."""
     size = len(original[f])
-    kind = rng.choice(["flip", "flip", "flip", "overwrite", "zero", "truncate", "append", "delete", "duplicate",
-                       "swap", "latest"])
     if kind in ("flip", "overwrite", "zero"):
         at = rng.randrange(size)
         n = 1 if kind == "flip" else rng.randint(1, 16)
@@ -53,16 +53,24 @@ def _mutate(rng: random.Random, tag: Path, ckpt: Path, original: dict) -> tuple[
         if bytes(data) == original[f]:
             data[at] ^= 1
         f.write_bytes(bytes(data))
-        return f"{kind} {f.name}@{at}+{n}", [(str(f), at, min(size, at + n))]
+        return f"{kind} {label}@{at}+{n}", [(str(f), at, min(size, at + n))]
     if kind == "truncate":
         f.write_bytes(original[f][:rng.randrange(size)])
-        return f"truncate {f.name}", []
-    if kind == "append":
+    elif kind == "append":
         f.write_bytes(original[f] + bytes(rng.randrange(256) for _ in range(rng.randint(1, 64))))
-        return f"append {f.name}", []
-    if kind == "delete":
+    else:
         f.unlink()
-        return f"delete {f.name}", []
+    return f"{kind} {label}", []
+
+
+def _mutate(rng: random.Random, tag: Path, ckpt: Path, original: dict) -> tuple[str, list]:
+    """Apply one mutation; ``(what, [(path, first byte, end)] it changed, or [] when not byte-local)``."""
+    ranks = sorted(tag.glob("*optim_states.pt")) + sorted(tag.glob("*model_states.pt"))
+    f = rng.choice(ranks)
+    kind = rng.choice(["flip", "flip", "flip", "overwrite", "zero", "truncate", "append", "delete", "duplicate",
+                       "swap", "latest"])
+    if kind in BYTE_KINDS:
+        return _damage(rng, f, original, kind, f.name)
     others = [g for g in ranks if g != f and g.name.split("zero_pp_rank_")[0] == f.name.split("zero_pp_rank_")[0]
               and ("optim" in g.name) == ("optim" in f.name)]
     if kind in ("duplicate", "swap") and others:
@@ -330,26 +338,8 @@ UNIVERSAL_MUTATIONS = 80  # per fixture
 def _mutate_any(rng: random.Random, files: list, original: dict) -> tuple[str, list]:
     """One mutation of one of ``files`` (flip, overwrite, zero, truncate, append, delete)."""
     f = rng.choice(files)
-    size = len(original[f])
-    kind = rng.choice(["flip", "flip", "flip", "overwrite", "zero", "truncate", "append", "delete"])
-    if kind in ("flip", "overwrite", "zero"):
-        at = rng.randrange(size)
-        n = 1 if kind == "flip" else rng.randint(1, 16)
-        data = bytearray(original[f])
-        for i in range(at, min(size, at + n)):
-            data[i] = data[i] ^ (1 << rng.randrange(8)) if kind == "flip" else (
-                rng.randrange(256) if kind == "overwrite" else 0)
-        if bytes(data) == original[f]:
-            data[at] ^= 1
-        f.write_bytes(bytes(data))
-        return f"{kind} {f}@{at}+{n}", [(str(f), at, min(size, at + n))]
-    if kind == "truncate":
-        f.write_bytes(original[f][:rng.randrange(size)])
-    elif kind == "append":
-        f.write_bytes(original[f] + bytes(rng.randrange(256) for _ in range(rng.randint(1, 64))))
-    else:
-        f.unlink()
-    return f"{kind} {f}", []
+    return _damage(rng, f, original, rng.choice(["flip", "flip", "flip", "overwrite", "zero", "truncate", "append",
+                                                 "delete"]), str(f))
 
 
 @pytest.mark.parametrize("name", ["z2_bf16_w2", "z3_bf16_w2"])

@@ -21,10 +21,7 @@ DeepSpeed's own limitations, shown here rather than hidden:
 from __future__ import annotations
 
 import filecmp
-import json
 import shutil
-import subprocess
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -42,7 +39,7 @@ from tests.fixtures.compare import (FP32_ATOL, HALF_RTOL, assert_masters_and_mom
                                    reference)
 from tests.fixtures.load_check import LR
 from tests.fixtures.load_runner import job_for_fixture, run_load_checks
-from tests.fixtures.torchrun import launch_env
+from tests.fixtures.universal import ds_to_universal
 from tests.fixtures.memory_probe import anon_growth
 from tests.fixtures.model import build_model, param_group_names, param_groups
 
@@ -93,32 +90,13 @@ def written(fixture_by_name, tmp_path_factory):
     return out
 
 
-DS_CONVERT = """
-import json, sys
-from deepspeed.checkpoint import ds_to_universal as d
-for src, dst in json.loads(sys.argv[1]):
-    sys.argv = ["ds_to_universal", "--input_folder", src, "--output_folder", dst,
-                "--num_extract_workers", "1", "--num_merge_workers", "1"]
-    d.main(d.parse_arguments())
-"""
-
-
 @pytest.fixture(scope="module")
 def ds_written(fixture_by_name, tmp_path_factory):
     """DeepSpeed's ds_to_universal output (next to a copy of each source), one subprocess."""
-    root = tmp_path_factory.mktemp("ds_uc")
-    plan, out = [], {}
-    for name in DS_CASES:
-        fx = fixture_by_name(name)
-        dst = root / name
-        shutil.copytree(fx["checkpoint_path"], dst)
-        plan.append([str(dst / fx["tag"]), str(dst / _utag(fx))])
-        out[name] = dst
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", DS_CONVERT, json.dumps(plan)], env=launch_env(),
-                          capture_output=True, text=True, timeout=300)
+    out = ds_to_universal({name: fixture_by_name(name) for name in DS_CASES}, tmp_path_factory.mktemp("ds_uc"),
+                          timeout=300)
     TIMINGS["ds_to_universal"] = time.perf_counter() - t0
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
 
 

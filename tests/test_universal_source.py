@@ -26,39 +26,22 @@ from safetensors.torch import load_file
 import ckptlib
 from tests.fixtures.compare import assert_masters_and_moments_equal, reference
 from tests.fixtures.load_runner import job_for_fixture, run_load_checks
-from tests.fixtures.torchrun import launch_env
+from tests.fixtures.universal import ds_to_universal
 
 # sources converted by DeepSpeed's ds_to_universal (one subprocess) and by ckptlib
-DS_SOURCES = ["z1_bf16_w3", "z2_fp32_w4", "z2_bf16_w2", "z3_bf16_w2", "z3_fp32_w4", "bf16opt_w3"]
+DS_SOURCES = ["z1_bf16_w3", "z2_fp32_w4", "z2_bf16_w2", "z3_bf16_w2", "z3_fp32_w4", "bf16opt_w3", "z3_subgroup_w3"]
 OURS = ["z2_bf16_w3", "z3_bf16_w3", "z1_fp32_w4"]
 # (source, writer, target size) loaded by DeepSpeed natively, one torchrun launch
 LOADS = [("z2_bf16_w2", "ds", 3), ("z3_bf16_w2", "ds", 3), ("bf16opt_w3", "ds", 3), ("z1_fp32_w4", "ours", 3)]
 TREE_CASES = [(n, "ds", m) for n in DS_SOURCES for m in (1, 3)] + [(n, "ours", 2) for n in OURS]
 
-DS_CONVERT = """
-import json, sys
-from deepspeed.checkpoint import ds_to_universal as d
-for src, dst in json.loads(sys.argv[1]):
-    sys.argv = ["ds_to_universal", "--input_folder", src, "--output_folder", dst,
-                "--num_extract_workers", "1", "--num_merge_workers", "1"]
-    d.main(d.parse_arguments())
-"""
-
-
 @pytest.fixture(scope="module")
 def universal(fixture_by_name, tmp_path_factory):
     """``{(source, "ds"|"ours"): the universal tag folder}``."""
     root = tmp_path_factory.mktemp("usrc")
-    out, plan = {}, []
-    for name in DS_SOURCES:
-        fx = fixture_by_name(name)
-        dst = root / "ds" / name
-        shutil.copytree(fx["checkpoint_path"], dst)
-        plan.append([str(dst / fx["tag"]), str(dst / f"{fx['tag']}_universal")])
-        out[(name, "ds")] = dst / f"{fx['tag']}_universal"
-    proc = subprocess.run([sys.executable, "-c", DS_CONVERT, json.dumps(plan)], env=launch_env(),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    fixtures = {name: fixture_by_name(name) for name in DS_SOURCES}
+    out = {(name, "ds"): save / f"{fixtures[name]['tag']}_universal"
+           for name, save in ds_to_universal(fixtures, root / "ds").items()}
     for name in OURS:
         fx = fixture_by_name(name)
         res = ckptlib.write_universal(fx["checkpoint_path"], root / "ours" / name)
@@ -277,18 +260,13 @@ TP_SOURCES = ["tp2_dp2_z1_bf16", "tp2_dp2_z2_fp32", "tp2_dp2_bf16opt"]
 
 @pytest.fixture(scope="module")
 def parallel_universal(parallel_fixtures, tmp_path_factory):
-    root = tmp_path_factory.mktemp("upar")
-    out, plan = {}, []
-    for name in PARALLEL + TP_SOURCES[1:]:
-        fx = parallel_fixtures[name]
-        dst = root / name
-        shutil.copytree(fx["checkpoint_path"], dst)
-        plan.append([str(dst / fx["tag"]), str(dst / f"{fx['tag']}_universal")])
-        out[name] = (fx, dst / fx["tag"], dst / f"{fx['tag']}_universal")
-    proc = subprocess.run([sys.executable, "-c", DS_CONVERT, json.dumps(plan)], env=launch_env(),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out
+    """``{name: (fixture, original tag folder, universal folder)}`` of ds_to_universal's parallel conversions."""
+    return _converted({n: parallel_fixtures[n] for n in PARALLEL + TP_SOURCES[1:]}, tmp_path_factory.mktemp("upar"))
+
+
+def _converted(fixtures: dict, root: Path) -> dict:
+    return {name: (fixtures[name], save / fixtures[name]["tag"], save / f"{fixtures[name]['tag']}_universal")
+            for name, save in ds_to_universal(fixtures, root).items()}
 
 
 @pytest.mark.parametrize("name", PARALLEL)
@@ -419,18 +397,7 @@ AUTOEP = ["mixtral_z2_w2_ep2", "mixtral_z3_w2_ep2"]
 
 @pytest.fixture(scope="module")
 def autoep_universal(autoep_fixtures, tmp_path_factory):
-    root = tmp_path_factory.mktemp("uautoep")
-    out, plan = {}, []
-    for name in AUTOEP:
-        fx = autoep_fixtures[name]
-        dst = root / name
-        shutil.copytree(fx["checkpoint_path"], dst)
-        plan.append([str(dst / fx["tag"]), str(dst / f"{fx['tag']}_universal")])
-        out[name] = (fx, dst / fx["tag"], dst / f"{fx['tag']}_universal")
-    proc = subprocess.run([sys.executable, "-c", DS_CONVERT, json.dumps(plan)], env=launch_env(),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out
+    return _converted({n: autoep_fixtures[n] for n in AUTOEP}, tmp_path_factory.mktemp("uautoep"))
 
 
 @pytest.mark.parametrize("name", AUTOEP)
@@ -503,15 +470,9 @@ def test_an_autoep_universal_folder_back_to_native_files(autoep_universal, autoe
     got = autoep_loads[f"universal->w{world}ep{ep}"]
     assert "error" not in got, got.get("error")
     assert got["world_size"] == world and got["ep_size"] == ep
-    ref = torch.load(fx["path"] / "reference.pt", weights_only=False)
-    loaded = got["loaded"]
-    for n, want in ref["params"].items():
-        assert torch.equal(loaded["params"][n], want), n
-        for key in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(loaded["states"][key][n], ref["states"][key][n]), (key, n)
-    for n, want in ref["module16"].items():
-        assert torch.equal(loaded["module16"][n], want), n
-    assert loaded["step"] == ref["step"] and not loaded["problems"], loaded["problems"]
+    from tests.test_autoep import assert_loaded_exactly
+
+    assert_loaded_exactly(got["loaded"], torch.load(fx["path"] / "reference.pt", weights_only=False))
 
 
 # ================================================================================================ off DeepSpeed

@@ -309,10 +309,17 @@ def _verify_reshard(plan, src: Checkpoint, out: Path, cmp: Comparer, share: Shar
         bad = [p.name for p in others if differ(p.name, src.frozen_chunks(p.name)[0].dtype_name)]
         bad += [b.name for b in src.buffers if differ(b.name, b.dtype)]
         checks.append(_tally("frozen parameters and buffers equal the source's", len(others) + len(src.buffers), bad))
-        step_a = [(g.family.name, g.step) for g in src.optimizer.groups] if src.optimizer else []
-        step_b = [(g.family.name, g.step) for g in new.optimizer.groups] if new.optimizer else []
-        checks.append(Check("every group's optimizer and step are the source's", step_a == step_b,
-                            ", ".join(f"{f} step {s}" for f, s in step_b) or "no optimizer state"))
+        def per_parameter(ck: Checkpoint) -> dict:  # whatever groups or sub-groups each side's layout has
+            out = {}
+            for p in trainable:
+                gs = ck.state_group(p.name)
+                out[p.name] = (gs.family.name if gs is not None else None, ck.step_of(p.name))
+            return out
+
+        step_a, step_b = per_parameter(src), per_parameter(new)
+        said = sorted({f"{f} step {s:g}" if s is not None else f"{f} no step" for f, s in step_b.values()})
+        checks.append(Check("every parameter's optimizer and step are the source's", step_a == step_b,
+                            ", ".join(said) or "no optimizer state"))
     return checks
 
 

@@ -71,6 +71,7 @@ class UniversalInfo:
     optimizer_state: Any = field(default=None, repr=False)        # zero/optimizer_state.pt as unpickled
     param_groups: list = field(default_factory=list, repr=False)  # each group's hyper-parameters, as saved
     rules: Optional[SplitRules] = field(default=None, repr=False)  # how its tensors split over tensor ranks
+    pipeline: bool = False  # a pipeline's: its model-states files hold no module (its layer files do)
     experts: Optional[str] = None  # "AutoEP" or "DeepSpeed-MoE": a mixture-of-experts model's
 
 
@@ -192,7 +193,7 @@ def join_universal(fs: OpenedFiles, notes: list, problems: list):
     written = "ds_to_universal" if flat3 or extra & set(fragments) else \
         "ckptlib" if (extra and module is not None) or zero3 else "ds_to_universal or ckptlib"
     uinfo = UniversalInfo(source_mesh=Mesh(dp=dp or 1, tp=tp or 1, pp=pp or 1), source_stage=stage,
-                          source_flavor=source_flavor, written_by=written,
+                          source_flavor=source_flavor, written_by=written, pipeline=module is None and not zero3,
                           info=model.get("universal_checkpoint_info") if isinstance(
                               model.get("universal_checkpoint_info"), dict) else None)
     index = TensorIndex()
@@ -218,14 +219,26 @@ def join_universal(fs: OpenedFiles, notes: list, problems: list):
     if layers:  # the expert-parallel size it ran at
         uinfo.source_mesh = Mesh(dp=uinfo.source_mesh.dp, tp=uinfo.source_mesh.tp, pp=uinfo.source_mesh.pp,
                                  ep=layers[0].ep)
+    hypers = param_groups(osd, zero3)
+    # ZeRO-3's param_shapes list sub-groups: each belongs to the parameter group whose recorded 'params' name it
+    group_of_sub = {k: g for g, h in enumerate(hypers) for k in (h.get("params") or []) if isinstance(k, int)}
+    sub_groups: dict = {}  # ZeRO-3: parameter -> its sub-group (where its step is recorded)
     for m in mp_models:
         local_shapes = {}
-        for g, group in enumerate(m.get("param_shapes") or []):
+        for k, group in enumerate(m.get("param_shapes") or []):
+            g = k
+            if zero3:
+                g = group_of_sub.get(k)
+                if g is None:
+                    problems.append(f"zero/optimizer_state.pt does not say which parameter group holds sub-group {k} "
+                                    f"({', '.join(list(dict(group))[:3])}...)")
             for name, shape in dict(group).items():
                 local_shapes[name] = tuple(shape)
                 if name not in seen:
                     seen.add(name)
                     params.append(ParameterInfo(name=name, shape=tuple(shape), trainable=True, group=g))
+                    if zero3:
+                        sub_groups[name] = k
         frozen_shapes = dict(m.get("frozen_param_shapes") or {})
         mod = m.get("module") if isinstance(m.get("module"), dict) else None
         if not frozen_shapes and mod:  # ZeRO-1 records none: the module's other weights are the frozen ones
@@ -305,13 +318,12 @@ def join_universal(fs: OpenedFiles, notes: list, problems: list):
             buffer_ranges[name] = layer.ranges()
             continue
         uinfo.absent.append(f"buffer {name}: a pipeline keeps it in its layer files, which ds_to_universal does not "
-                            "copy" if module is None else f"buffer {name}: not in the model-states module")
+                            "copy" if uinfo.pipeline else f"buffer {name}: not in the model-states module")
         if name in fragments:
             uinfo.absent[-1] += f" (zero/{name}/fp32.pt is ds_to_universal's float32 cast of it, not read)"
 
     # ------------------------------------------------------------------ the optimizer
-    hypers = param_groups(osd, zero3)
-    steps = parts.steps(fs, osd, fragments, trainable, zero3, dp or 1, zcfg, problems, uinfo.step_objects)
+    steps = parts.steps(osd, fragments, trainable, sub_groups, problems, uinfo.step_objects)
     uinfo.steps, uinfo.optimizer_state = steps, osd
     uinfo.param_groups = [{k: v for k, v in h.items() if k != "params"} for h in hypers]
     groups: list[GroupStates] = []

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..io.torchzip import TensorHandle
-from ..layout.flat import zero3_sub_groups
 from . import files as fnames
 from .files import FRAGMENT
 from .fileset import OpenedFiles
@@ -162,10 +161,10 @@ def layer_buffer(fs: OpenedFiles, name: str) -> Optional[TensorHandle]:
 
 
 
-def steps(fs: OpenedFiles, osd: dict, fragments: dict, trainable: list, zero3: bool, dp: int, zcfg: dict,
-           problems: list, objects: dict) -> dict:
-    """Each trainable parameter's step: its ``step.pt``; a ZeRO-3 folder without them (ds_to_universal's): its
-    sub-group's step in ``optimizer_state.pt`` (rank 0's sub-groups; every rank has the same ones)."""
+def steps(osd: dict, fragments: dict, trainable: list, sub_groups: dict, problems: list, objects: dict) -> dict:
+    """Each trainable parameter's step: its ``step.pt``; a ZeRO-3 folder without them (ds_to_universal's): the step
+    of its sub-group (``sub_groups``: parameter -> the index of its ``param_shapes`` entry) in
+    ``optimizer_state.pt`` (rank 0's sub-groups; every rank has the same ones)."""
     out = {}
     for p in trainable:
         v = fragments.get(p.name, {}).get(STEP)
@@ -176,26 +175,17 @@ def steps(fs: OpenedFiles, osd: dict, fragments: dict, trainable: list, zero3: b
             problems.append(f"zero/{p.name}/step.pt holds no number")
             continue
         out[p.name], objects[p.name] = value, v
-    if out or not zero3:
+    if out or not sub_groups:
         return out
     inner = osd.get("optimizer_state_dict") if isinstance(osd.get("optimizer_state_dict"), dict) else {}
     state = inner.get("state") if isinstance(inner.get("state"), dict) else {}
-    if not state:
-        return out
-    size = zcfg.get("sub_group_size", 1_000_000_000)
-    size = int(size) if isinstance(size, (int, float)) else 1_000_000_000
-    k = 0
-    for g in sorted({p.group for p in trainable}):
-        members = [p for p in trainable if p.group == g]
-        for sub in zero3_sub_groups([p.numel for p in members], dp, size):
-            raw = state.get(k).get(STEP) if isinstance(state.get(k), dict) else None
-            value = _scalar(raw)
-            for i in sub:
-                if value is not None:
-                    out[members[i].name], objects[members[i].name] = value, raw
-            k += 1
+    for p in trainable:
+        entry = state.get(sub_groups.get(p.name))
+        raw = entry.get(STEP) if isinstance(entry, dict) else None
+        value = _scalar(raw)
+        if value is not None:
+            out[p.name], objects[p.name] = value, raw
     return out
-
 
 
 __all__ = ["Fragment", "MASTER", "STEP", "EXPERT", "fragments", "steps", "zero3_frozen", "layer_buffer", "obj_of",

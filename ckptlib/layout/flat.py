@@ -391,6 +391,15 @@ def zero3_real_count(numel: int, world_size: int, rank: int) -> int:
     return max(0, min(c, numel - rank * c))
 
 
+DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's default zero_optimization.sub_group_size
+
+
+def configured_sub_group_size(ds_config: dict) -> int:
+    """The ``zero_optimization.sub_group_size`` a DeepSpeed config sets (DeepSpeed's default where it sets none)."""
+    zcfg = (ds_config or {}).get("zero_optimization") or {}
+    return int(float(zcfg.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)))
+
+
 def zero3_sub_groups(numels: Sequence[int], world_size: int, sub_group_size: int) -> list[list[int]]:
     """Indices of one optimizer group's parameters cut into ZeRO-3 sub-groups, as DeepSpeed cuts them.
 

@@ -31,14 +31,25 @@ def native_tag(ck: Checkpoint) -> str:
     return tag[:-len(UNIVERSAL_SUFFIX)] if tag.endswith(UNIVERSAL_SUFFIX) and len(tag) > len(UNIVERSAL_SUFFIX) else tag
 
 
+def derived_notes(ck: Checkpoint, mesh) -> list[str]:
+    """What native files made from universal folder ``ck`` at ``mesh`` hold that the folder does not hold as such."""
+    u, out = ck.universal, []
+    for name, (shape, _) in ck.view.padded.items():
+        rows = ck.view.full_shape(name)[0]
+        out.append(f"{name}: rows {rows}..{shape[0] - 1} are the vocabulary's padding, which the universal folder "
+                   "does not hold (ds_to_universal cuts it): written as zeros, as DeepSpeed's universal loader pads it")
+    if u.source_mesh.tp > 1 or mesh.tp > 1:
+        out.append(f"16-bit weights the folder holds only as fp32 masters (tensor-parallel shards) are the masters "
+                   f"rounded to {ck.dtype}, which the engine's 16-bit copies are after a step")
+    return out
+
+
 def refuse_for_native(ck: Checkpoint, mesh=None) -> None:
     """What no native checkpoint made from universal folder ``ck`` (at ``mesh``) could hold exactly, or ckptlib does
     not write yet, refused with the reason."""
     u = ck.universal
     src = u.source_mesh
-    pipeline = src.pp > 1 or any(f.kind == fnames.MODEL_STATES and f.path.name.startswith("mp_rank") for f in ck.files) \
-        and ck.model_states_file().obj.get("module") is None
-    if pipeline or (mesh is not None and mesh.pp > 1):
+    if u.pipeline or src.pp > 1 or (mesh is not None and mesh.pp > 1):
         raise UnsupportedCheckpointError(
             f"native pipeline files from a universal checkpoint (its source: pp={src.pp}) are not written yet: the "
             "layer files that say how layers make stages, and hold the buffers, are not in the folder",
@@ -123,4 +134,4 @@ class UniversalTemplate:
         return SimpleNamespace(requires_grad=True)  # DeepSpeed's fp32 partitions are saved with requires_grad
 
 
-__all__ = ["UniversalTemplate", "native_tag", "refuse_for_native", "UNIVERSAL_SUFFIX"]
+__all__ = ["UniversalTemplate", "native_tag", "refuse_for_native", "derived_notes", "UNIVERSAL_SUFFIX"]

@@ -27,7 +27,7 @@ from ..mesh import Mesh
 from ..plan import CopyFile
 from .autotp import autotp_target
 from .footprint import footprint
-from .from_universal import UniversalTemplate, native_tag, refuse_for_native
+from .from_universal import UniversalTemplate, derived_notes, native_tag, refuse_for_native
 from .mesh_files import (MeshZero3Writer, MeshZero12Writer, ShardRanges, layer_file_tree, model_states_tree,
                          stage0_optimizer, zero3_model_states)
 from .stages import plan_stages
@@ -135,7 +135,7 @@ def plan_mesh_files(ck: Checkpoint, mesh: Mesh, *, tp_rules: Optional[SplitRules
     stages = _stage_plan(ck, mesh, rules, pp_partition, pp_layers, pp_tied) if pipeline else None
     autotp = autotp_target(ck, mesh.tp, model_config) if mesh.tp != ck.mesh.tp else None
     model = build_target(ck, mesh, rules, stages, autotp)
-    notes = list(stages.notes if stages else [])
+    notes = list(stages.notes if stages else []) + (derived_notes(ck, mesh) if ck.universal is not None else [])
     tag = native_tag(ck) if ck.universal is not None else ck.location.tag
     shards = ShardRanges(ck)
     trees = TreeFiles()

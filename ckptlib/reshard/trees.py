@@ -15,10 +15,10 @@ from ..io.torchzip import TensorHandle, classify_file_start, open_torch_file
 from ..io.torchzip.specs import NewTensor
 from ..io.torchzip.trees import as_specs, tree_bytes
 from ..io.torchzip.writer import file_size
+from ..layout.flat import DEFAULT_SUB_GROUP_SIZE, configured_sub_group_size
 from ..layout.ranges import numel
 from ..plan import CopyFile, TreeFile
 
-DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's default zero_optimization.sub_group_size
 
 
 #: a value for :func:`replace` that leaves its key out
@@ -123,8 +123,7 @@ def carried(name: str, path: str, nbytes: int, **where) -> CopyFile | TreeFile:
 
 
 def sub_group_size(ck: ZeroSet) -> int:
-    zcfg = ck.ds_config.get("zero_optimization") or {}
-    return int(float(zcfg.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)))
+    return configured_sub_group_size(ck.ds_config)
 
 
 def converter_scripts(ck: Checkpoint) -> list[str]:
