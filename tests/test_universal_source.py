@@ -274,8 +274,7 @@ def test_a_tensor_or_pipeline_parallel_source(parallel_universal, tmp_path, name
     """ds_to_universal's folder of a tensor-parallel (with its universal_checkpoint_info) and of a pipeline run:
     inspect gives the source mesh and names the pipeline buffers the folder lacks (ds_to_universal copies no layer
     files); export with the states equals the export of the original bit for bit (the tensor-parallel shards joined
-    by DeepSpeed, the vocabulary's padding rows cut as the original's model has it); reshard to native files is
-    refused with the reason."""
+    by DeepSpeed, the vocabulary's padding rows cut as the original's model has it)."""
     fx, original, uni = parallel_universal[name]
     code, text = _cli("inspect", uni, "--json")
     assert code == 0, text
@@ -295,9 +294,7 @@ def test_a_tensor_or_pipeline_parallel_source(parallel_universal, tmp_path, name
         assert set(sa) == set(sb) and all(torch.equal(sa[n], sb[n]) for n in sa), k
     code, text = _cli("check", uni, "--against", original, "-q")
     assert code == 0, text
-    if name.startswith("pp"):
-        code, text = _cli("reshard", uni, tmp_path / "r", "--world-size", "2")
-        assert code == 2 and "not written yet" in text and "layer files" in text and "Traceback" not in text, text
+    # native files from it: tests/test_universal_pipeline.py (pipeline), test_a_tensor_parallel_universal_folder_...
 
 
 def _differing(a, b, path: str, out: list) -> None:
@@ -406,7 +403,7 @@ def test_an_autoep_universal_folder(autoep_universal, tmp_path, name):
     [experts, ...] tensor under the engine's name, the gate its router's alias (ds_to_universal writes the 16-bit copy
     of it in a folder of its own, which is not read); it equals the original tensor for tensor with every state and
     step (diff and check --against), exports as the original does (in transformers' Mixtral layout with the model
-    config), and reshard to native files is refused."""
+    config); native files from it: test_an_autoep_universal_folder_back_to_native_files."""
     fx, original, uni = autoep_universal[name]
     code, text = _cli("inspect", uni, "--json")
     assert code == 0, text
@@ -425,38 +422,39 @@ def test_an_autoep_universal_folder(autoep_universal, tmp_path, name):
     for sub in ("", "exp_avg", "exp_avg_sq"):
         wa, wb = load_file(Path(a) / sub / "model.safetensors"), load_file(Path(b) / sub / "model.safetensors")
         assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), sub
-    if "_z3_" in name:
-        code, text = _cli("reshard", uni, tmp_path / "r", "--world-size", "2")
-        assert code == 2 and "ZeRO-3 AutoEP run" in text and "Traceback" not in text, text
 
 
-#: (world, ep) the ZeRO-2 AutoEP folder goes back to: its own mesh, and ep 4 at 4 ranks
-AUTOEP_NATIVE = [(2, 2), (4, 4)]
+#: (source, world, ep) the AutoEP folders go back to: their own mesh, and ep 4 at 4 ranks
+AUTOEP_NATIVE = [(n, w, e) for n in AUTOEP for w, e in ((2, 2), (4, 4))]
 
 
 @pytest.fixture(scope="module")
 def autoep_loads(autoep_universal, tmp_path_factory):
     from tests.fixtures.autoep.load_check import job_for_fixture, run_load_checks
 
-    fx, _, uni = autoep_universal["mixtral_z2_w2_ep2"]
     work = tmp_path_factory.mktemp("uautoep-loads")
+    jobs: dict = {}
+    for name, world, ep in AUTOEP_NATIVE:
+        fx, _, uni = autoep_universal[name]
+        out = ckptlib.reshard(uni, work / f"{name}-w{world}ep{ep}", world, ep=ep).out
+        jobs.setdefault((world, ep), []).append(job_for_fixture(fx, checkpoint_dir=out, name=f"{name}->w{world}ep{ep}",
+                                                                ep_size=ep))
     results = {}
-    for world, ep in AUTOEP_NATIVE:
-        out = ckptlib.reshard(uni, work / f"w{world}ep{ep}", world, ep=ep).out
-        job = job_for_fixture(fx, checkpoint_dir=out, name=f"universal->w{world}ep{ep}", ep_size=ep)
-        results.update(run_load_checks([job], world, work / f"run-w{world}", timeout=300))
+    for (world, ep), js in sorted(jobs.items()):  # one launch per mesh, both sources in it
+        results.update(run_load_checks(js, world, work / f"run-w{world}", timeout=300))
     return results
 
 
-@pytest.mark.parametrize("world,ep", AUTOEP_NATIVE, ids=[f"w{w}ep{e}" for w, e in AUTOEP_NATIVE])
+@pytest.mark.parametrize("name,world,ep", AUTOEP_NATIVE, ids=[f"{n}->w{w}ep{e}" for n, w, e in AUTOEP_NATIVE])
 def test_an_autoep_universal_folder_back_to_native_files(autoep_universal, autoep_fixtures, autoep_loads, tmp_path,
-                                                         world, ep):
-    """ZeRO-2 AutoEP (Mixtral, ep 2) from ds_to_universal's folder to native files at 2 ranks ep 2 and 4 ranks ep 4:
-    every file, the per-expert 16-bit files made from the masters included, is what the native reshard of the
-    original writes, object for object and bit for bit, but universal_checkpoint_info's expert_parameter_patterns,
-    which ds_to_universal rewrote in the model-states file it copied ('.*\\.experts...' -> '\\.experts...'); DeepSpeed's
-    AutoEP engine loads them with the reference's masters, moments, 16-bit weights and step."""
-    fx, original, uni = autoep_universal["mixtral_z2_w2_ep2"]
+                                                         name, world, ep):
+    """AutoEP (Mixtral, ep 2; ZeRO-2 and ZeRO-3) from ds_to_universal's folder to native files at 2 ranks ep 2 and 4
+    ranks ep 4: every file (ZeRO-2: the per-expert 16-bit files made from the masters included; ZeRO-3: each rank's
+    sub-groups, experts over their ep rank's members) is what the native reshard of the original writes, object for
+    object and bit for bit, but universal_checkpoint_info's expert_parameter_patterns, which ds_to_universal rewrote
+    in the ZeRO-2 model-states file it copied ('.*\\.experts...' -> '\\.experts...'); DeepSpeed's AutoEP engine loads
+    them with the reference's masters, moments, 16-bit weights and step."""
+    fx, original, uni = autoep_universal[name]
     plan = ckptlib.plan_reshard(uni, tmp_path / "mine", world, ep=ep)
     ckptlib.run(plan)
     assert ckptlib.verify(plan).ok
@@ -467,7 +465,7 @@ def test_an_autoep_universal_folder_back_to_native_files(autoep_universal, autoe
         diffs: list = []
         _walk(torch.load(f, weights_only=False), torch.load(b / f.name, weights_only=False), f.name, diffs)
         assert all("universal_checkpoint_info/expert_parameter_patterns" in d for d in diffs), diffs[:5]
-    got = autoep_loads[f"universal->w{world}ep{ep}"]
+    got = autoep_loads[f"{name}->w{world}ep{ep}"]
     assert "error" not in got, got.get("error")
     assert got["world_size"] == world and got["ep_size"] == ep
     from tests.test_autoep import assert_loaded_exactly

@@ -312,7 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "parameters, or the stage boundaries B0,B1,...,Bn (n stages; Bn = the number of layer specs)")
     p.add_argument("--pp-layers", type=int, metavar="N", help="the number of layer specs of the PipelineModule")
     p.add_argument("--pp-tied", action="append", metavar="KEY:I,J",
-                   help="every layer using the tied module KEY (a TiedLayerSpec use with forward_fn writes no file); "
+                   help="every layer using the tied module KEY (a TiedLayerSpec use with forward_fn writes no file), "
+                        "first the one that builds it (no forward_fn; a universal folder does not record it); "
                         "repeat for several keys")
     p.add_argument("--model-config", metavar="CONFIG.json",
                    help="an AutoTP checkpoint's HF model config (default: config.json beside the tag folders): "

@@ -41,7 +41,7 @@ from .fileset import OpenedFiles
 from .model import ModelView, whole
 from .records import BF16_OPTIMIZER, ZERO, BufferInfo, FileInfo, OptimizerInfo, ParameterInfo, Records, TensorIndex
 from . import universal_parts as parts
-from .universal_parts import MASTER, STEP, Fragment, layer_buffer, obj_of, param_groups, zero3_frozen
+from .universal_parts import MASTER, STEP, Fragment, layer_buffer, layer_keys, obj_of, param_groups, zero3_frozen
 from .tensor_parallel import REPLICATED_KEY, ROW_KEY, VOCAB_KEY, SplitRules
 from .zeroset import MODULE, ZeroSet
 
@@ -73,6 +73,9 @@ class UniversalInfo:
     rules: Optional[SplitRules] = field(default=None, repr=False)  # how its tensors split over tensor ranks
     pipeline: bool = False  # a pipeline's: its model-states files hold no module (its layer files do)
     experts: Optional[str] = None  # "AutoEP" or "DeepSpeed-MoE": a mixture-of-experts model's
+    # a pipeline's: {source stage: the parameters and buffers its model-states file lists, in its order}
+    stage_names: dict = field(default_factory=dict, repr=False)
+    layer_files: dict = field(default_factory=dict, repr=False)  # {layer: keys} of the layer files it copied
 
 
 class UniversalSet(ZeroSet):
@@ -200,8 +203,15 @@ def join_universal(fs: OpenedFiles, notes: list, problems: list):
 
     # ------------------------------------------------------------------ parameters
     # every model-parallel rank's file (a pipeline's stages list their own parameters; tensor ranks repeat names)
-    mp_models = [m for m in (obj_of(fs, f) for f in sorted(models, key=lambda f: f.mp_rank or 0)
-                             if (f.dp_rank or 0) == 0) if isinstance(m, dict)]
+    mp_files = [(f.mp_rank or 0, obj_of(fs, f)) for f in sorted(models, key=lambda f: f.mp_rank or 0)
+                if (f.dp_rank or 0) == 0]
+    mp_models = [m for _, m in mp_files if isinstance(m, dict)]
+    uinfo.layer_files = layer_keys(fs) if uinfo.pipeline else {}
+    for mp_rank, m in mp_files:  # mp rank = stage * tp + tensor rank
+        if isinstance(m, dict):
+            listed = uinfo.stage_names.setdefault(mp_rank // max(tp or 1, 1), [])
+            listed += [n for g in m.get("param_shapes") or [] for n in dict(g) if n not in listed]
+            listed += [n for n in m.get("buffer_names") or [] if n not in listed]
     params: list[ParameterInfo] = []
     seen: set = set()
     buffer_names: list = []
@@ -312,7 +322,7 @@ def join_universal(fs: OpenedFiles, notes: list, problems: list):
             buffers.append(BufferInfo(name=name, shape=tuple(t.shape), dtype=t.dtype_name))
             buffer_ranges[name] = t.ranges()
             continue
-        layer = layer_buffer(fs, name)
+        layer = layer_buffer(fs, name, index.alias_proofs)
         if layer is not None:
             buffers.append(BufferInfo(name=name, shape=tuple(layer.shape), dtype=layer.dtype_name))
             buffer_ranges[name] = layer.ranges()

@@ -147,18 +147,43 @@ def zero3_frozen(fs: OpenedFiles, models: list, p: ParameterInfo) -> Optional[tu
     return out, chunks
 
 
-def layer_buffer(fs: OpenedFiles, name: str) -> Optional[TensorHandle]:
-    """A pipeline buffer ``{idx}.{key}`` in a copied layer file ``layer_{idx:02d}-model_states.pt``, or None."""
+def layer_buffer(fs: OpenedFiles, name: str, proofs: list) -> Optional[TensorHandle]:
+    """A pipeline buffer ``{idx}.{key}`` in a copied layer file ``layer_{idx:02d}[-model_00]-model_states.pt``, or
+    None; the other tensor ranks' copies of it go to ``proofs`` (``(what, ranges, ranges, dtype)``), compared with
+    it before anything is written."""
     idx, _, key = str(name).partition(".")
     if not idx.isdigit():
         return None
+    found: dict = {}
     for f in fs.files:
-        if f.kind == fnames.LAYER_STATES and f.layer == int(idx) and f.mp_rank is None:
+        if f.kind == fnames.LAYER_STATES and f.layer == int(idx):
             obj = obj_of(fs, f)
             h = obj.get(key) if isinstance(obj, dict) else None
-            return h if isinstance(h, TensorHandle) else None
-    return None
+            if isinstance(h, TensorHandle):
+                found[f.mp_rank or 0] = (f, h)
+    if 0 not in found:
+        return None
+    first = found[0][1]
+    for mp, (f, h) in sorted(found.items()):
+        if mp and h.numel == first.numel and h.dtype_name == first.dtype_name:
+            proofs.append((f"buffer {name} in {f.path.name} (tensor rank {mp}'s copy)", first.ranges(), h.ranges(),
+                           first.dtype_name))
+        elif mp:
+            proofs.append((f"buffer {name} in {f.path.name}: {h.numel} {h.dtype_name} elements, tensor rank 0's "
+                           f"{first.numel} {first.dtype_name}", first.ranges(), [], first.dtype_name))
+    return first
 
+
+def layer_keys(fs: OpenedFiles) -> dict:
+    """``{layer: [its keys, in file order]}`` of the layer files copied into the folder (ckptlib's universal folders
+    copy them; ds_to_universal's do not), tensor rank 0's."""
+    out = {}
+    for f in fs.files:
+        if f.kind == fnames.LAYER_STATES and f.layer is not None and (f.mp_rank or 0) == 0:
+            obj = obj_of(fs, f)
+            if isinstance(obj, dict):
+                out[f.layer] = [str(k) for k in obj]
+    return dict(sorted(out.items()))
 
 
 def steps(osd: dict, fragments: dict, trainable: list, sub_groups: dict, problems: list, objects: dict) -> dict:
@@ -188,5 +213,5 @@ def steps(osd: dict, fragments: dict, trainable: list, sub_groups: dict, problem
     return out
 
 
-__all__ = ["Fragment", "MASTER", "STEP", "EXPERT", "fragments", "steps", "zero3_frozen", "layer_buffer", "obj_of",
+__all__ = ["Fragment", "MASTER", "STEP", "EXPERT", "fragments", "steps", "zero3_frozen", "layer_buffer", "layer_keys", "obj_of",
            "param_groups"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
+from typing import Optional
 
 
 from ..deepspeed import ZERO, Checkpoint
@@ -173,7 +174,7 @@ class AutoEPZero3Writer(Zero3Writer):
         if any(len(g["params"]) != 1 for g in groups):
             _refuse(ck, "a ZeRO-3 AutoEP checkpoint whose parameter groups are cut into several sub-groups "
                         "(sub_group_size) cannot be resharded yet")
-        super().__init__(zs, _rebuilt(subs, world, worlds), [list(g["params"]) for g in groups], world, zs.mp)
+        super().__init__(zs, rebuilt_layout(subs, world, worlds), [list(g["params"]) for g in groups], world, zs.mp)
         self.parts = parts
 
     def sub_group_ranges(self, k: int, rank: int, key) -> list:
@@ -208,7 +209,7 @@ class AutoEPZero3Writer(Zero3Writer):
             for r in range(self.world)}
 
 
-def _rebuilt(subs: list, world: int, worlds: list):
+def rebuilt_layout(subs: list, world: int, worlds: list):
     """A Zero3Layout of ``subs`` whose sub-groups are partitioned over ``worlds`` ranks each."""
     slots, sizes = [], []
     for j, params in enumerate(subs):
@@ -220,12 +221,14 @@ def _rebuilt(subs: list, world: int, worlds: list):
     return Zero3Layout(slots=tuple(slots), world_size=world, sub_group_sizes=tuple(sizes), sub_group_worlds=tuple(worlds))
 
 
-def zero3_files(ck: Checkpoint, world: int, ep: int, hf_files: bool) -> tuple[list, list]:
-    """``(files, notes)`` of a ZeRO-3 AutoEP checkpoint at ``world`` ranks and ``ep`` expert-parallel ranks."""
+def zero3_files(ck: Checkpoint, world: int, ep: int, hf_files: bool, writer_type=None,
+                tag: Optional[str] = None) -> tuple[list, list]:
+    """``(files, notes)`` of a ZeRO-3 AutoEP checkpoint at ``world`` ranks and ``ep`` expert-parallel ranks
+    (``writer_type``: the :class:`AutoEPZero3Writer` to cut them with, a universal folder's; ``tag``: the output's)."""
     if any(not p.trainable and not p.tied_to for p in ck.parameters):
         _refuse(ck, "frozen parameters in a ZeRO-3 AutoEP checkpoint cannot be resharded yet")
-    writer = AutoEPZero3Writer(ck, world, ep)
-    tag, trees = ck.location.tag, TreeFiles()
+    writer = (writer_type or AutoEPZero3Writer)(ck, world, ep)
+    tag, trees = tag or ck.location.tag, TreeFiles()
     files = [trees.make(f"{tag}/{name}", "model_states", obj, fnames.classify(name).dp_rank)
              for name, obj in writer.model_states().items()]
     for r in range(world):
@@ -246,4 +249,4 @@ def _client(ck: Checkpoint, world: int, hf_files: bool) -> tuple:
     return files, notes + ([note] if note else [])
 
 
-__all__ = ["plan_autoep_files", "AutoEPWriter", "AutoEPZero3Writer", "target_layers"]
+__all__ = ["plan_autoep_files", "AutoEPWriter", "AutoEPZero3Writer", "target_layers", "zero3_files", "rebuilt_layout"]

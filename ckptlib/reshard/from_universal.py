@@ -15,10 +15,13 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Optional
 
+import re
+
 from ..deepspeed import Checkpoint
 from ..deepspeed import files as fnames
-from ..errors import UnsupportedCheckpointError
+from ..errors import PipelineUnknownError, UnsupportedCheckpointError
 from ..mesh import Rank
+from .stages import StageFacts
 
 UNIVERSAL_SUFFIX = "_universal"
 # a per-element state in the template: the writers replace it by the state cut for each rank (saved without grad)
@@ -38,6 +41,9 @@ def derived_notes(ck: Checkpoint, mesh) -> list[str]:
         rows = ck.view.full_shape(name)[0]
         out.append(f"{name}: rows {rows}..{shape[0] - 1} are the vocabulary's padding, which the universal folder "
                    "does not hold (ds_to_universal cuts it): written as zeros, as DeepSpeed's universal loader pads it")
+    if u.pipeline:
+        note = absent_buffers_note(ck)
+        out += [note] if note else []
     if u.source_mesh.tp > 1 or mesh.tp > 1:
         out.append(f"16-bit weights the folder holds only as fp32 masters (tensor-parallel shards) are the masters "
                    f"rounded to {ck.dtype}, which the engine's 16-bit copies are after a step")
@@ -48,13 +54,10 @@ def refuse_for_native(ck: Checkpoint, mesh=None) -> None:
     """What no native checkpoint made from universal folder ``ck`` (at ``mesh``) could hold exactly, or ckptlib does
     not write yet, refused with the reason."""
     u = ck.universal
-    src = u.source_mesh
-    if u.pipeline or src.pp > 1 or (mesh is not None and mesh.pp > 1):
+    if mesh is not None and mesh.pp > 1 and not u.pipeline:
         raise UnsupportedCheckpointError(
-            f"native pipeline files from a universal checkpoint (its source: pp={src.pp}) are not written yet: the "
-            "layer files that say how layers make stages, and hold the buffers, are not in the folder",
-            path=ck.location.tag_dir,
-            hint="DeepSpeed resumes from it with \"load_universal\": true; `ckpt export` writes its full model")
+            f"this universal folder is not a pipeline's (its parameters are not numbered by layer): it cannot be spread "
+            f"over {mesh.pp} stages", path=ck.location.tag_dir)
     if ((u.info or {}).get("affine_map") or {}).get("params"):
         raise UnsupportedCheckpointError(
             "native AutoTP files from a universal checkpoint are not written yet", path=ck.location.tag_dir,
@@ -74,6 +77,92 @@ def refuse_for_native(ck: Checkpoint, mesh=None) -> None:
             "its run had round_robin_gradients, whose flat groups are not in the order the universal folder lists "
             "them: native files for such an engine are not written yet", path=ck.location.tag_dir,
             hint="load it with \"load_universal\": true in an engine with round_robin_gradients off")
+
+
+_TIED = re.compile(r"^tied_modules\.([^.]+)\.(.+)$")
+
+
+def universal_layers(ck: Checkpoint, tied: Optional[dict] = None) -> tuple[dict, StageFacts]:
+    """``({layer: [(model name, key in its layer file)]}, StageFacts)`` of a pipeline's universal folder ``ck``, from
+    the names each stage's model-states file lists: ``{idx}.{key}`` is layer ``idx``'s; a tied module
+    (``tied_modules.{tie}.{attr}``) is in the file of the layer that builds it, which the folder records only where it
+    holds the layer files (ckptlib's folders; ds_to_universal copies none): else the first layer of ``tied[tie]``
+    (``--pp-tied``). What the folder does not hold (a pipeline's buffers in ds_to_universal's folders) has no entry."""
+    u = ck.universal
+    tied = dict(tied or {})
+    held = {p.name for p in ck.view.parameters if not p.tied_to} | {b.name for b in ck.view.buffers}
+    plain: dict = {}
+    tie_names: dict = {}
+    stages_of: dict = {}
+    for stage in sorted(u.stage_names):
+        for name in u.stage_names[stage]:
+            stages_of.setdefault(name, set()).add(stage)
+            if name not in held:
+                continue
+            m = _TIED.match(name)
+            if m:
+                names = tie_names.setdefault(m.group(1), [])
+                names += [] if name in names else [name]
+                continue
+            idx, _, key = name.partition(".")
+            if not idx.isdigit() or not key:
+                raise UnsupportedCheckpointError(f"{name} is no pipeline layer's parameter ({{layer}}.{{name}} or "
+                                                 "tied_modules.{key}.{name}): the folder's stages cannot be rebuilt",
+                                                 path=ck.location.tag_dir)
+            ents = plain.setdefault(int(idx), [])
+            ents += [] if any(n == name for n, _ in ents) else [(name, key)]
+    unknown = sorted(set(tied) - set(tie_names))
+    if unknown:
+        raise PipelineUnknownError(f"--pp-tied names {', '.join(unknown)}, but the folder holds no tied module of that "
+                                   f"key (it holds: {', '.join(sorted(tie_names)) or 'none'})", path=ck.location.tag_dir)
+    file_of_tie = {}
+    for tie, names in tie_names.items():
+        attrs = [_TIED.match(n).group(2) for n in names]
+        if tie in tied:
+            file_of_tie[tie] = tied[tie][0]
+            continue
+        files = [i for i, keys in u.layer_files.items() if i not in plain and set(keys) == set(attrs)]
+        if len(files) != 1:
+            raise PipelineUnknownError(
+                f"the universal folder does not say which layer builds the tied module {tie!r} (ds_to_universal copies "
+                "no layer files)", path=ck.location.tag_dir,
+                hint=f"pass --pp-tied {tie}:FILE,USE,... with every layer that uses it, first the one whose "
+                     "TiedLayerSpec has no forward_fn (its layer file holds the module), e.g. "
+                     f"--pp-tied {tie}:0,{max(plain, default=0) + 1}")
+        file_of_tie[tie] = files[0]
+    layers = {idx: list(ents) for idx, ents in plain.items()}
+    for tie, idx in file_of_tie.items():
+        if idx in layers:
+            raise PipelineUnknownError(f"--pp-tied {tie}: layer {idx} is a layer of its own ({layers[idx][0][0]}, ...), "
+                                       "not the tied module's", path=ck.location.tag_dir)
+        layers[idx] = [(n, _TIED.match(n).group(2)) for n in tie_names[tie]]
+    for idx, keys in u.layer_files.items():  # a copied layer file's key order
+        if idx in layers:
+            at = {k: i for i, k in enumerate(keys)}
+            layers[idx].sort(key=lambda e: at.get(e[1], len(at)))
+    stage_of_layer = {}
+    for idx, ents in plain.items():
+        found = set().union(*(stages_of.get(n, set()) for n, _ in ents))
+        if len(found) != 1:
+            raise UnsupportedCheckpointError(f"layer {idx}'s parameters are listed by the model-states files of stages "
+                                             f"{sorted(found)}: the folder's stages disagree", path=ck.location.tag_dir)
+        stage_of_layer[idx] = found.pop()
+    for idx in file_of_tie.values():
+        stage_of_layer[idx] = None  # which of its holders builds it: not recorded
+    holders = {tie: set().union(*(stages_of.get(n, set()) for n in names)) for tie, names in tie_names.items()}
+    facts = StageFacts(layers=sorted(layers), stage_of_layer=stage_of_layer, file_of_tie=file_of_tie, holders=holders,
+                       pp=u.source_mesh.pp)
+    return dict(sorted(layers.items())), facts
+
+
+def absent_buffers_note(ck: Checkpoint) -> Optional[str]:
+    """What native pipeline files made from universal folder ``ck`` cannot hold: the buffers it lacks."""
+    missing = [a.split(":")[0].split()[-1] for a in ck.universal.absent if a.startswith("buffer ")]
+    if not missing:
+        return None
+    return (f"the layer files hold no value for the buffers {', '.join(missing)}: the universal folder lacks them "
+            "(ds_to_universal copies no layer files). Load with engine.load_checkpoint(..., load_module_strict=False); "
+            "these buffers then keep the values the model is built with, as after DeepSpeed's own universal load")
 
 
 class UniversalTemplate:
@@ -134,4 +223,5 @@ class UniversalTemplate:
         return SimpleNamespace(requires_grad=True)  # DeepSpeed's fp32 partitions are saved with requires_grad
 
 
-__all__ = ["UniversalTemplate", "native_tag", "refuse_for_native", "derived_notes", "UNIVERSAL_SUFFIX"]
+__all__ = ["UniversalTemplate", "native_tag", "refuse_for_native", "derived_notes", "universal_layers",
+           "absent_buffers_note", "UNIVERSAL_SUFFIX"]

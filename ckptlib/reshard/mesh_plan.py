@@ -20,14 +20,14 @@ from typing import Optional
 
 from ..deepspeed import BF16_OPTIMIZER, NO_ZERO, ZERO, Checkpoint, SplitRules
 from ..deepspeed import files as fnames
-from ..deepspeed.exactness import replica_checks
+from ..deepspeed.exactness import replica_checks, value_proofs
 from ..deepspeed.join import PIPELINE
 from ..errors import UnsupportedCheckpointError
 from ..mesh import Mesh
 from ..plan import CopyFile
 from .autotp import autotp_target
 from .footprint import footprint
-from .from_universal import UniversalTemplate, derived_notes, native_tag, refuse_for_native
+from .from_universal import UniversalTemplate, derived_notes, native_tag, refuse_for_native, universal_layers
 from .mesh_files import (MeshZero3Writer, MeshZero12Writer, ShardRanges, layer_file_tree, model_states_tree,
                          stage0_optimizer, zero3_model_states)
 from .stages import plan_stages
@@ -66,7 +66,7 @@ def _check_supported(ck: Checkpoint, mesh: Mesh) -> None:
 
 
 def _stage_plan(ck: Checkpoint, mesh: Mesh, rules: Optional[SplitRules], partition, num_layers, tied):
-    layers = pipeline_layers(ck)
+    layers, facts = universal_layers(ck, tied) if ck.universal is not None else (pipeline_layers(ck), None)
     params = {p.name: p for p in ck.view.parameters if not p.tied_to}
 
     def weight(names, tp):
@@ -101,7 +101,7 @@ def _stage_plan(ck: Checkpoint, mesh: Mesh, rules: Optional[SplitRules], partiti
     for key, idx in tie_layer.items():  # the tie's own file layer is a use: its weight is the tie's
         src_w[idx], dst_w[idx] = tie_src[key], tie_dst[key]
     return plan_stages(ck, layers, mesh.pp, src_w, dst_w, tie_src, tie_dst, partition=partition,
-                       num_layers=num_layers, tied=tied)
+                       num_layers=num_layers, tied=tied, facts=facts)
 
 
 def _rules_info(ck: Checkpoint, rules: Optional[SplitRules]) -> Optional[dict]:
@@ -131,7 +131,7 @@ def plan_mesh_files(ck: Checkpoint, mesh: Mesh, *, tp_rules: Optional[SplitRules
         _refuse(ck, f"the checkpoint has no tensor axis, so nothing in it says how its tensors split over {mesh.tp} "
                     "tensor ranks", hint="pass --tp-rules FILE (the keys of DeepSpeed's universal_checkpoint_info: "
                                          "which tensors are replicated, row parallel, vocabularies)")
-    pipeline = ck.kind == PIPELINE
+    pipeline = ck.kind == PIPELINE or (ck.universal is not None and ck.universal.pipeline)
     stages = _stage_plan(ck, mesh, rules, pp_partition, pp_layers, pp_tied) if pipeline else None
     autotp = autotp_target(ck, mesh.tp, model_config) if mesh.tp != ck.mesh.tp else None
     model = build_target(ck, mesh, rules, stages, autotp)
@@ -200,7 +200,7 @@ def plan_mesh_files(ck: Checkpoint, mesh: Mesh, *, tp_rules: Optional[SplitRules
         notes += carried_notes
     note = batch_note(ck, mesh.dp)
     notes += [note] if note else []
-    checks = replica_checks(ck)
+    checks = replica_checks(ck) + value_proofs(ck)  # replicas and what metadata leaves open, before writing
     if checks:
         notes.append(f"{len(checks)} stored copies (tensor-parallel replicas, tied weights on several stages) are "
                      "compared with the copy read before anything is written")

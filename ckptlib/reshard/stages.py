@@ -37,6 +37,7 @@ class PipelinePlan:
     tie_stages: dict
     tie_order: dict          # stage -> tie keys in the order the stage registers them
     notes: list = field(default_factory=list)
+    layers: dict = field(default_factory=dict)  # the layer entries it was planned from (see plan_stages)
 
     def stage_names(self, layers: dict) -> dict:
         """``{stage: [model names in the stage module's order]}``: its tied modules' entries first, then
@@ -80,44 +81,60 @@ def parse_partition(text: Optional[str]) -> tuple[Optional[str], Optional[list]]
 
 
 def parse_tied(items: Sequence[str]) -> dict:
-    """``--pp-tied KEY:I,J``: every layer index that uses the tied module ``KEY``."""
+    """``--pp-tied KEY:I,J``: every layer index that uses the tied module ``KEY``, in the order given (the first:
+    the layer whose file holds it, which a universal folder does not record)."""
     out = {}
     for item in items or ():
         key, _, uses = item.partition(":")
         try:
-            out[key.strip()] = sorted({int(x) for x in uses.split(",") if x.strip()})
+            listed = [int(x) for x in uses.split(",") if x.strip()]
         except ValueError:
             raise CkptError(f"--pp-tied {item!r}: give KEY:LAYER,LAYER (e.g. embed:0,6)") from None
+        out[key.strip()] = list(dict.fromkeys(listed))
         if not key.strip() or not out[key.strip()]:
             raise CkptError(f"--pp-tied {item!r}: give KEY:LAYER,LAYER (e.g. embed:0,6)")
     return out
 
 
-class _Facts:
-    """What the source says about its pipeline."""
+@dataclass
+class StageFacts:
+    """What the source says about its pipeline: the layers with a file (``layers``), each one's source stage
+    (``stage_of_layer``; None: not recorded, a universal folder's tied module), the layer whose file holds each
+    tied module (``file_of_tie``), the source stages holding each tied module (``holders``), its stage count."""
 
-    def __init__(self, ck: Checkpoint, layers: dict):
-        self.layers = sorted(layers)                     # layer indices with a file
-        self.file_of_tie: dict = {}                      # tie key -> its file's layer
-        for idx, ents in layers.items():
-            for name, _ in ents:
-                m = _TIE.match(name)
-                if m:
-                    self.file_of_tie.setdefault(m.group(1), idx)
-        by_path = {}
-        for path, stage in ck.layer_stages.items():
-            by_path[path] = stage
-        self.stage_of_layer = {}
-        for f in ck.files:
-            if f.kind == "layer_states" and (f.mp_rank or 0) == 0 and f.layer in layers:
-                self.stage_of_layer[f.layer] = by_path.get(str(f.path), by_path.get(f.path.as_posix()))
-        self.holders: dict = {}                          # tie key -> source stages holding it
-        for zs in ck.sets.values():
-            for p in zs.parameters:
-                m = _TIE.match(p.name)
-                if m:
-                    self.holders.setdefault(m.group(1), set()).add(zs.coordinate.pp)
-        self.pp = ck.mesh.pp
+    layers: list
+    stage_of_layer: dict
+    file_of_tie: dict
+    holders: dict
+    pp: int
+
+
+def ties_in(layers: dict) -> dict:
+    """``{tie key: the layer whose file holds it}`` of the layer entries ``layers``."""
+    out: dict = {}
+    for idx, ents in layers.items():
+        for name, _ in ents:
+            m = _TIE.match(name)
+            if m:
+                out.setdefault(m.group(1), idx)
+    return out
+
+
+def source_facts(ck: Checkpoint, layers: dict) -> StageFacts:
+    """The :class:`StageFacts` of a native pipeline checkpoint: its layer files and each stage's parameters."""
+    by_path = dict(ck.layer_stages.items())
+    stage_of_layer = {}
+    for f in ck.files:
+        if f.kind == "layer_states" and (f.mp_rank or 0) == 0 and f.layer in layers:
+            stage_of_layer[f.layer] = by_path.get(str(f.path), by_path.get(f.path.as_posix(), -1))
+    holders: dict = {}
+    for zs in ck.sets.values():
+        for p in zs.parameters:
+            m = _TIE.match(p.name)
+            if m:
+                holders.setdefault(m.group(1), set()).add(zs.coordinate.pp)
+    return StageFacts(layers=sorted(layers), stage_of_layer=stage_of_layer, file_of_tie=ties_in(layers),
+                      holders=holders, pp=ck.mesh.pp)
 
 
 def _weights(num_layers: int, uses: dict, layer_weight: dict, tie_weight: dict) -> list:
@@ -130,7 +147,7 @@ def _weights(num_layers: int, uses: dict, layer_weight: dict, tie_weight: dict) 
     return w
 
 
-def _placement(parts: list, facts: _Facts, uses: dict) -> Optional[tuple]:
+def _placement(parts: list, facts: StageFacts, uses: dict) -> Optional[tuple]:
     try:
         by_layer = tuple(stage_of(parts, i) for i in facts.layers)
         ties = {}
@@ -149,16 +166,18 @@ def _placement(parts: list, facts: _Facts, uses: dict) -> Optional[tuple]:
 
 def plan_stages(ck: Checkpoint, layers: dict, target_pp: int, source_weights: dict, target_weights: dict,
                 tie_source_weight: dict, tie_target_weight: dict, *, partition: Optional[str] = None,
-                num_layers: Optional[int] = None, tied: Optional[dict] = None) -> PipelinePlan:
+                num_layers: Optional[int] = None, tied: Optional[dict] = None,
+                facts: Optional[StageFacts] = None) -> PipelinePlan:
     """The new pipeline of ``ck`` at ``target_pp`` stages (see the module docstring). ``layers``: the
     layer files' entries; ``*_weights``: each layer file's trainable parameters at the source's and the
-    target's tensor size (``tie_*_weight``: a tied module's, which each of its uses counts)."""
-    facts = _Facts(ck, layers)
+    target's tensor size (``tie_*_weight``: a tied module's, which each of its uses counts); ``facts``: what the
+    source says of its stages (default: its layer files', :func:`source_facts`)."""
+    facts = facts if facts is not None else source_facts(ck, layers)
     if target_pp > len(facts.layers):
         _refuse(ck, f"more stages ({target_pp}) than layers with parameters ({len(facts.layers)}): a stage would hold "
                     "nothing to train", "pick at most as many stages as layers")
     method, explicit = parse_partition(partition)
-    tied = dict(tied or {})
+    tied = {k: sorted(set(v)) for k, v in (tied or {}).items()}
     unknown = sorted(set(tied) - set(facts.file_of_tie))
     if unknown:
         _ask(ck, f"--pp-tied names {', '.join(unknown)}, but no layer file holds a tied module of that key "
@@ -216,7 +235,7 @@ def plan_stages(ck: Checkpoint, layers: dict, target_pp: int, source_weights: di
                                            f"gives this placement; e.g. partition_method {m!r} over {n} layer specs)")]
     return PipelinePlan(target_parts=list(parts), layer_stage=dict(zip(facts.layers, by_layer)),
                         tie_stages={k: list(v) for k, v in ties}, tie_order={s: list(v) for s, v in order},
-                        notes=notes)
+                        notes=notes, layers=layers)
 
 
 def _uses_text(uses: dict) -> str:
@@ -231,9 +250,10 @@ def _parts(method: str, n: int, pp: int, weights: list) -> Optional[list]:
     return None
 
 
-def _reproduces(parts: list, facts: _Facts, uses: dict) -> bool:
+def _reproduces(parts: list, facts: StageFacts, uses: dict) -> bool:
     for idx in facts.layers:
-        if stage_of(parts, idx) != facts.stage_of_layer.get(idx):
+        want = facts.stage_of_layer.get(idx, -1)
+        if want is not None and stage_of(parts, idx) != want:  # None: not recorded (its tie's holders say)
             return False
     for key, holders in facts.holders.items():
         if {stage_of(parts, i) for i in uses.get(key, [facts.file_of_tie.get(key)]) if i is not None} != holders:
@@ -241,7 +261,7 @@ def _reproduces(parts: list, facts: _Facts, uses: dict) -> bool:
     return True
 
 
-def _use_choices(facts: _Facts, tied: dict, free: list):
+def _use_choices(facts: StageFacts, tied: dict, free: list):
     """Every assignment of each tie's uses: the given ones, or its file's layer plus at most one file-less
     use per source stage (any free slot)."""
     keys = sorted(facts.file_of_tie)
@@ -262,4 +282,4 @@ def _use_choices(facts: _Facts, tied: dict, free: list):
         yield dict(zip(keys, combo))
 
 
-__all__ = ["PipelinePlan", "plan_stages", "parse_partition", "parse_tied", "LAYER_SLACK"]
+__all__ = ["PipelinePlan", "StageFacts", "source_facts", "ties_in", "plan_stages", "parse_partition", "parse_tied", "LAYER_SLACK"]

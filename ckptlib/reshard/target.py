@@ -192,7 +192,7 @@ def build_target(ck: Checkpoint, mesh: Mesh, rules: Optional[SplitRules], stages
     buffers = {b.name for b in view.buffers}
     notes: list = []
     if stages is not None:
-        layers = pipeline_layers(ck)
+        layers = stages.layers
         order_per_stage = stages.stage_names(layers)
         parts = stages.target_parts
     else:
@@ -231,7 +231,8 @@ def build_target(ck: Checkpoint, mesh: Mesh, rules: Optional[SplitRules], stages
                     hint="pick stage boundaries (--pp-partition) that give every stage a parameter of every group")
             ts.groups = groups
             sets[ts.mp] = ts
-    tensor_axis = mesh.tp > 1 or any(f.kind == "layer_states" and f.mp_rank is not None for f in ck.files)
+    tensor_axis = mesh.tp > 1 or any(f.kind == "layer_states" and f.mp_rank is not None for f in ck.files) or \
+        (ck.universal is not None and ck.universal.source_mesh.tp > 1)  # its topology had a tensor axis
     return TargetModel(mesh=mesh, sets=sets, parts=parts, notes=notes, tensor_axis=tensor_axis)
 
 
