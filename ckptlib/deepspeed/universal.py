@@ -84,6 +84,7 @@ class UniversalSet(ZeroSet):
     def __init__(self, records: Records, files: OpenedFiles, fragments: dict, frozen: dict, buffers: dict,
                  universal: UniversalInfo):
         super().__init__(records, 0, files, Rank())
+        self.opened = files               # the folder's opened files
         self.fragments = fragments        # name -> {key (None: the master) -> Fragment}
         self._frozen = frozen             # name -> ranges
         self._buffer_ranges = buffers     # name -> ranges
@@ -113,6 +114,14 @@ class UniversalSet(ZeroSet):
 
     def state_replicas(self, name: str, key: Optional[str]) -> list:
         return []
+
+    def copied_model_states(self, mp: int) -> Optional[dict]:
+        """The model-states file of model-parallel rank ``mp`` (data rank 0's) that the folder copied, or None."""
+        for f in self.opened.of(fnames.MODEL_STATES, mp_rank=mp):
+            if (f.dp_rank or 0) == 0:
+                tf = self.opened.get(f)
+                return tf.obj if tf is not None and isinstance(tf.obj, dict) else None
+        return None
 
     def step_of(self, name: str) -> Optional[float]:
         """The step recorded for trainable parameter ``name`` (its own ``step.pt``, or its ZeRO-3 sub-group's)."""

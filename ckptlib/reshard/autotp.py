@@ -32,7 +32,7 @@ class AutoTPTarget:
     def __init__(self, ck: Checkpoint, recorded: dict, geometry: AutoTPGeometry):
         self.ck, self.recorded, self.geometry = ck, recorded, geometry
         self.rules = SplitRules.from_info(recorded, origin=str(ck.location.tag_dir))
-        self.source_tp = ck.mesh.tp
+        self.source_tp = ck.universal.source_mesh.tp if ck.universal is not None else ck.mesh.tp  # its affine_map's
         self._aliases: dict = {}
         for p in ck.view.parameters:
             if p.tied_to:

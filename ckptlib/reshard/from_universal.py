@@ -58,10 +58,6 @@ def refuse_for_native(ck: Checkpoint, mesh=None) -> None:
         raise UnsupportedCheckpointError(
             f"this universal folder is not a pipeline's (its parameters are not numbered by layer): it cannot be spread "
             f"over {mesh.pp} stages", path=ck.location.tag_dir)
-    if ((u.info or {}).get("affine_map") or {}).get("params"):
-        raise UnsupportedCheckpointError(
-            "native AutoTP files from a universal checkpoint are not written yet", path=ck.location.tag_dir,
-            hint="DeepSpeed resumes from it with \"load_universal\": true; `ckpt export` writes its full model")
     if u.step_conflicts:
         raise UnsupportedCheckpointError(
             "; ".join(u.step_conflicts) + ": a native checkpoint keeps one step per optimizer group",

@@ -166,7 +166,10 @@ def plan_mesh_files(ck: Checkpoint, mesh: Mesh, *, tp_rules: Optional[SplitRules
         if len(steps) > 1:
             _refuse(ck, f"the parameters' Adam steps differ ({', '.join(sorted(steps))}): ckptlib cannot tell which "
                         "step a re-cut tensor has")
+    src = ck.universal.source_mesh if ck.universal is not None else None
+    own = src is not None and (src.tp, src.pp) == (mesh.tp, mesh.pp)  # each set's copied file is its template
     for mp, ts in model.sets.items():
+        template_model = (ck.main.copied_model_states(mp) if own else None) or template_set.model_states_file().obj
         if ck.flavor == NO_ZERO:
             opt = stage0_optimizer(stage0_template, ts, shards, keys) if isinstance(stage0_template, dict) else None
             tree = model_states_tree(template_model, ts, model, pipeline=pipeline, dp=mesh.dp, shards=shards,

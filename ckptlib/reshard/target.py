@@ -97,15 +97,24 @@ def _refuse(ck: Checkpoint, why: str, hint: Optional[str] = None):
     raise UnsupportedCheckpointError(why, path=ck.location.tag_dir, hint=hint)
 
 
+def _role(ck: Checkpoint, name: str, rules: Optional[SplitRules]) -> Optional[str]:
+    """How the source's view placed ``name`` over tensor ranks; a universal folder's view records none, and what its
+    AutoTP affine_map places is "affine" there too."""
+    role = ck.view.roles.get(name)
+    if role is None and ck.universal is not None and rules is not None and rules.affine_entry(name) is not None:
+        role = "affine"
+    return role
+
+
 def split_of(ck: Checkpoint, name: str, rules: Optional[SplitRules], tp: int, buffer: bool, autotp=None) -> tuple:
     """``(dim, sizes)`` of tensor ``name`` at ``tp`` tensor ranks (``dim`` None: replicated; ``autotp``: the
     :class:`~ckptlib.reshard.autotp.AutoTPTarget` that cuts what an AutoTP affine_map places)."""
     shape = ck.view.full_shape(name, padded=True)
     if tp == 1:
         return None, (shape[0],) if shape else ()
-    role = ck.view.roles.get(name)
+    role = _role(ck, name, rules)
     owner = next((p.tied_to for p in ck.view.parameters if p.name == name and p.tied_to), None) if role is None else None
-    if owner is not None and ck.view.roles.get(owner) == "affine":
+    if owner is not None and _role(ck, owner, rules) == "affine":
         return split_of(ck, owner, rules, tp, buffer, autotp)  # a tied alias (the head of a tied embedding): its owner's cut
     if role is None:
         role = rules.rule(name) if rules is not None else None
