@@ -34,6 +34,11 @@ def expert_id(name: str) -> Optional[int]:
     return int(m.group(2)) if m else None
 
 
+def with_expert_id(name: str, expert: int) -> str:
+    """``...deepspeed_experts.{i}...`` -> ``...deepspeed_experts.{expert}...``."""
+    return _EXPERT.sub(lambda m: f"{m.group(1)}{expert}{m.group(3)}", name, count=1)
+
+
 def global_name(local: str, ep_rank: int, num_local: int) -> str:
     """``...deepspeed_experts.{l}...`` of expert-parallel rank ``ep_rank`` -> ``...deepspeed_experts.{G}...``."""
     return _EXPERT.sub(lambda m: f"{m.group(1)}{ep_rank * num_local + int(m.group(2))}{m.group(3)}", local, count=1)
@@ -165,4 +170,4 @@ def with_experts(module: dict, experts: dict) -> dict:
     return collections.OrderedDict(out)
 
 
-__all__ = ["with_experts", "expert_file_problems", "is_moe", "expert_id", "global_name", "ExpertGroup", "expert_groups", "expert_file_tensors"]
+__all__ = ["with_expert_id", "with_experts", "expert_file_problems", "is_moe", "expert_id", "global_name", "ExpertGroup", "expert_groups", "expert_file_tensors"]

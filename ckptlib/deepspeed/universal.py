@@ -39,6 +39,7 @@ from . import files as fnames
 from .files import UNIVERSAL_OPTIMIZER
 from .fileset import OpenedFiles
 from .model import ModelView, whole
+from .moe import expert_id, with_expert_id
 from .records import BF16_OPTIMIZER, ZERO, BufferInfo, FileInfo, OptimizerInfo, ParameterInfo, Records, TensorIndex
 from . import universal_parts as parts
 from .universal_parts import MASTER, STEP, Fragment, layer_buffer, layer_keys, obj_of, param_groups, zero3_frozen
@@ -159,6 +160,7 @@ class UniversalSet(ZeroSet):
 
 
 # ================================================================================================ parsing
+
 def _model_files(fs: OpenedFiles) -> list[FileInfo]:
     return [f for f in fs.files if f.kind == fnames.MODEL_STATES]
 
@@ -238,6 +240,12 @@ def join_universal(fs: OpenedFiles, notes: list, problems: list):
     if layers:  # the expert-parallel size it ran at
         uinfo.source_mesh = Mesh(dp=uinfo.source_mesh.dp, tp=uinfo.source_mesh.tp, pp=uinfo.source_mesh.pp,
                                  ep=layers[0].ep)
+    if uinfo.experts == "DeepSpeed-MoE":  # the expert-parallel size its files were written for
+        counts = model.get("num_experts") or []
+        local = {expert_id(str(n)) for g in model.get("param_shapes") or [] for n in dict(g)} - {None}
+        if counts and local and isinstance(counts[0], int) and counts[0] % len(local) == 0:
+            uinfo.source_mesh = Mesh(dp=uinfo.source_mesh.dp, tp=uinfo.source_mesh.tp, pp=uinfo.source_mesh.pp,
+                                     ep=counts[0] // len(local))
     hypers = param_groups(osd, zero3)
     # ZeRO-3's param_shapes list sub-groups: each belongs to the parameter group whose recorded 'params' name it
     group_of_sub = {k: g for g, h in enumerate(hypers) for k in (h.get("params") or []) if isinstance(k, int)}
@@ -277,6 +285,10 @@ def join_universal(fs: OpenedFiles, notes: list, problems: list):
         # MoE (ckptlib's universal): the model-states file lists expert-parallel rank 0's local experts; each
         # local expert's folder stacks the global experts of that local id
         local = known.get(locals_of[name])
+        if local is None:  # a folder written for another expert-parallel size than the file lists: the listed
+            listed = {expert_id(n) for n in known} - {None}  # local ids
+            if listed and expert_id(name) is not None:
+                local = known.get(with_expert_id(name, expert_id(name) % len(listed)))
         params.append(ParameterInfo(name=name, shape=master_shapes.get(name, ()), trainable=True,
                                     group=local.group if local is not None else None))
     by_name = {p.name: p for p in params}

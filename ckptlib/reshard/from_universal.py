@@ -62,10 +62,11 @@ def refuse_for_native(ck: Checkpoint, mesh=None) -> None:
         raise UnsupportedCheckpointError(
             "; ".join(u.step_conflicts) + ": a native checkpoint keeps one step per optimizer group",
             path=ck.location.tag_dir, hint="`ckpt diff ORIGINAL THIS --states` shows which step.pt was changed")
-    if u.experts and (u.experts != "AutoEP" or (mesh is not None and (mesh.tp, mesh.pp) != (1, 1))):
-        raise UnsupportedCheckpointError(f"a universal checkpoint of a mixture-of-experts model ({u.experts}"
-                                         + (", at a tensor or pipeline size" if u.experts == "AutoEP" else "")
-                                         + ") back to native files is not supported yet", path=ck.location.tag_dir,
+    if u.experts and (u.source_mesh.tp, u.source_mesh.pp) != (1, 1) or \
+            u.experts and mesh is not None and (mesh.tp, mesh.pp) != (1, 1):
+        raise UnsupportedCheckpointError(f"a universal checkpoint of a mixture-of-experts model ({u.experts}) with "
+                                         "tensor or pipeline parallelism back to native files is not supported yet",
+                                         path=ck.location.tag_dir,
                                          hint="DeepSpeed resumes from it with \"load_universal\": true; `ckpt export` "
                                               "writes its full model")
     if (ck.ds_config.get("zero_optimization") or {}).get("round_robin_gradients"):

@@ -34,19 +34,19 @@ from .footprint import RankFootprint, footprint
 from .trees import TreeFiles, batch_note, carried, client_files, converter_scripts, replace
 from .zero12 import Zero12Writer
 
-_LOCAL = re.compile(r"^(.*deepspeed_experts\.)(\d+)(\..*)$")
+LOCAL_EXPERT = re.compile(r"^(.*deepspeed_experts\.)(\d+)(\..*)$")
 
 
 def _refuse(ck: Checkpoint, why: str, hint=None):
     raise UnsupportedCheckpointError(why, path=ck.location.tag_dir, hint=hint)
 
 
-def _local_pattern(names: list) -> list:
+def local_pattern(names: list) -> list:
     """``[(prefix, [suffixes])]`` of an expert group's local names: each MoE layer (its prefix) with the
     tensors of one expert (suffixes, in order), checked to repeat identically for every local expert."""
     layers: "collections.OrderedDict[str, collections.OrderedDict]" = collections.OrderedDict()
     for n in names:
-        m = _LOCAL.match(n)
+        m = LOCAL_EXPERT.match(n)
         if m is None:
             raise ValueError(f"{n} in an expert group is not an expert's tensor")
         layers.setdefault(m.group(1), collections.OrderedDict()).setdefault(int(m.group(2)), []).append(m.group(3))
@@ -114,7 +114,7 @@ class MoEWriter(ExpertWriter):
         dst = []
         for g, lay in enumerate(zs.layouts):
             if g in self.expert_groups:
-                pattern = _local_pattern([s.name for s in lay.slots])
+                pattern = local_pattern([s.name for s in lay.slots])
                 names = [f"{prefix}{i}{sfx}" for prefix, sfxs in pattern for i in range(self.num_local) for sfx in sfxs]
                 dst.append(FlatGroupLayout.build([(n, self.shapes[global_name(n, 0, self.num_local)]) for n in names],
                                                  world // ep, group=g))
@@ -182,4 +182,4 @@ def plan_moe_files(ck: Checkpoint, mesh: Mesh, hf_files: bool = True) -> tuple[l
     return files, notes, prints
 
 
-__all__ = ["plan_moe_files", "MoEWriter", "ExpertWriter", "expert_files"]
+__all__ = ["plan_moe_files", "MoEWriter", "ExpertWriter", "expert_files", "local_pattern", "LOCAL_EXPERT"]

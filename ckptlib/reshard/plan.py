@@ -18,6 +18,7 @@ from ..system.gcpause import gc_paused
 from ..units import human_bytes, parse_size
 from .autoep import plan_autoep_files
 from .autoep_universal import plan_autoep_from_universal
+from .moe_from_universal import plan_moe_from_universal
 from .footprint import footprint
 from .from_universal import refuse_for_native
 from .mesh_plan import plan_mesh_files
@@ -156,8 +157,11 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
     gpu = parse_size(gpu_memory) if isinstance(gpu_memory, str) else gpu_memory
     if ck.universal is not None:
         refuse_for_native(ck, mesh)
-    if ck.records.autoep_layers:  # AutoEP: each ep rank's stacked experts cut from the full weights
-        if ck.universal is not None:
+    moe_universal = ck.universal is not None and ck.universal.experts == "DeepSpeed-MoE"
+    if ck.records.autoep_layers or moe_universal:  # each ep rank's experts cut from the full weights
+        if moe_universal:
+            files, notes, tag_name = plan_moe_from_universal(ck, mesh, hf_files=hf_files)
+        elif ck.universal is not None:
             files, notes, tag_name = plan_autoep_from_universal(ck, mesh, hf_files=hf_files)
         else:
             (files, notes), tag_name = plan_autoep_files(ck, mesh, hf_files=hf_files), ck.location.tag
