@@ -105,7 +105,8 @@ class PipelineUnknownError(UnsupportedCheckpointError):
 
     default_hint = ("say how your PipelineModule places its layers: --pp-partition uniform|parameters|B0,B1,...,Bn "
                     "(the stage boundaries; Bn = the number of layer specs), --pp-layers N (the number of layer "
-                    "specs) and --pp-tied KEY:I,J (every layer that uses the tied module KEY)")
+                    "specs) and --pp-tied KEY:I,J (every layer that uses the tied module KEY, first the one that "
+                    "builds it)")
 
 
 class UnsafeCheckpointError(CkptError, ValueError):

@@ -390,8 +390,9 @@ class ReshardWizard(_Wizard):
                                       placeholder="the number of layer specs of the PipelineModule (if asked)",
                                       tooltip="ckpt --pp-layers")
         self.pp_tied = widgets.Text(value=tied, description="tied uses", layout=wide,
-                                    placeholder="KEY:I,J: the layers using the tied module KEY, e.g. embed:0,6 "
-                                                "(several: separated by spaces)", tooltip="ckpt --pp-tied")
+                                    placeholder="KEY:I,J: the layers using the tied module KEY, first the one that "
+                                                "builds it, e.g. embed:0,6 (several: separated by spaces)",
+                                    tooltip="ckpt --pp-tied")
         self.pipeline = widgets.VBox([
             widgets.HTML("<b>pipeline</b>: the checkpoint shows where its layers are, not how the PipelineModule "
                          "places them at another mesh; say it here as in your training script "
