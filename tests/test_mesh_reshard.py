@@ -30,6 +30,7 @@ CASES = {
     "3d-z0-fp32-tp1": ("pp2_tp2_dp1_z0_fp32", 2, 1, 1, {}),
     "pipe-2to1": ("pp2_dp1_z1_bf16", 1, 1, 2, {}),
     "pipe-1to2": ("pp1_dp2_z1_bf16", 2, 1, 1, {"pp_partition": "0,3,6", "pp_tied": {"embed": [0, 5]}}),
+    "pipe-act-2to1": ("pp2_dp1_z1_bf16_act", 1, 1, 2, {}),  # layer 6 has no state: its empty file moves along
     "tp-2to1": ("tp2_dp2_z1_bf16", 1, 1, 2, {}),
     "tp-1to2": ("tp1_dp2_z1_bf16", 1, 2, 1, {}),
 }

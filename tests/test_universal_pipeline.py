@@ -160,3 +160,29 @@ def test_inspect_and_notes_of_a_pipeline_folder(pipe_universal):
         f"{i}.{k}" for i in (1, 2, 3) for k in BUFFER_KEYS)
     code, text = _cli("inspect", ours, "--json")
     assert code == 0 and json.loads(text)["universal"]["absent"] == [], text
+
+
+def test_a_layer_without_state_keeps_its_file(parallel_fixtures, tmp_path):
+    """pp2_dp1_z1_bf16_act has a layer module without state (layer 6), whose empty file DeepSpeed needs to load: the
+    native reshard to one stage moves it (tests/test_mesh_reshard.py loads it), ckptlib's universal folder copies it
+    and its round trip writes it back; ds_to_universal's folder does not say where such layers are, and the plan's
+    notes say how to add the file."""
+    fx = parallel_fixtures["pp2_dp1_z1_bf16_act"]
+    native = Path(ckptlib.reshard(fx["checkpoint_path"], tmp_path / "native", 2, pp=1).out) / fx["tag"]
+    assert (native / "layer_06-model_states.pt").is_file()
+    assert torch.load(native / "layer_06-model_states.pt", weights_only=True) == {}
+    uni = Path(ckptlib.write_universal(fx["checkpoint_path"], tmp_path / "u").out) / f"{fx['tag']}_universal"
+    assert (uni / "layer_06-model_states.pt").is_file()
+    plan = ckptlib.plan_reshard(uni, tmp_path / "back", 2, pp=1)
+    back = Path(ckptlib.reshard(plan).out) / fx["tag"]
+    assert ckptlib.verify(plan).ok
+    names = sorted(p.name for p in native.iterdir())
+    assert sorted(p.name for p in back.iterdir()) == names
+    diffs: list = []
+    for f in names:
+        _walk(torch.load(native / f, weights_only=False), torch.load(back / f, weights_only=False), f, diffs)
+    assert diffs == [], diffs[:5]
+    ds = ds_to_universal({"act": fx}, tmp_path / "ds")["act"] / f"{fx['tag']}_universal"
+    plan = ckptlib.plan_reshard(ds, tmp_path / "from_ds", 2, pp=1, pp_tied=TIED)
+    assert any("torch.save({}, 'layer_XX-model_states.pt')" in n for n in plan.notes), plan.notes
+

@@ -162,8 +162,8 @@ def stage_modules(fs: OpenedFiles, models: dict, optims: dict, problems: list, t
                                 + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
                                 + f" ({file} is missing or damaged)")
     claimed = {n for mod in modules.values() for n in mod}
-    for idx, _, info in layers:
-        if not set(entries[idx]) & claimed:
+    for idx, _, info in layers:  # an empty one is a layer module without state (an activation), which has a file
+        if entries[idx] and not set(entries[idx]) & claimed:
             problems.append(f"{info.relpath}: no stage of this checkpoint holds layer {idx} "
                             "(left over from another run?)")
     return modules, notes

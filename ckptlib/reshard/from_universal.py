@@ -42,8 +42,7 @@ def derived_notes(ck: Checkpoint, mesh) -> list[str]:
         out.append(f"{name}: rows {rows}..{shape[0] - 1} are the vocabulary's padding, which the universal folder "
                    "does not hold (ds_to_universal cuts it): written as zeros, as DeepSpeed's universal loader pads it")
     if u.pipeline:
-        note = absent_buffers_note(ck)
-        out += [note] if note else []
+        out += pipeline_notes(ck)
     if u.source_mesh.tp > 1 or mesh.tp > 1:
         out.append(f"16-bit weights the folder holds only as fp32 masters (tensor-parallel shards) are the masters "
                    f"rounded to {ck.dtype}, which the engine's 16-bit copies are after a step")
@@ -133,7 +132,9 @@ def universal_layers(ck: Checkpoint, tied: Optional[dict] = None) -> tuple[dict,
             raise PipelineUnknownError(f"--pp-tied {tie}: layer {idx} is a layer of its own ({layers[idx][0][0]}, ...), "
                                        "not the tied module's", path=ck.location.tag_dir)
         layers[idx] = [(n, _TIED.match(n).group(2)) for n in tie_names[tie]]
-    for idx, keys in u.layer_files.items():  # a copied layer file's key order
+    for idx, keys in u.layer_files.items():  # a copied layer file's key order; a layer without state: its file
+        if not keys and idx not in layers:
+            layers[idx] = []
         if idx in layers:
             at = {k: i for i, k in enumerate(keys)}
             layers[idx].sort(key=lambda e: at.get(e[1], len(at)))
@@ -144,22 +145,30 @@ def universal_layers(ck: Checkpoint, tied: Optional[dict] = None) -> tuple[dict,
             raise UnsupportedCheckpointError(f"layer {idx}'s parameters are listed by the model-states files of stages "
                                              f"{sorted(found)}: the folder's stages disagree", path=ck.location.tag_dir)
         stage_of_layer[idx] = found.pop()
-    for idx in file_of_tie.values():
-        stage_of_layer[idx] = None  # which of its holders builds it: not recorded
+    for idx in list(file_of_tie.values()) + [i for i, ents in layers.items() if not ents]:
+        stage_of_layer[idx] = None  # which stage builds a tied module, or holds a layer without state: not recorded
     holders = {tie: set().union(*(stages_of.get(n, set()) for n in names)) for tie, names in tie_names.items()}
     facts = StageFacts(layers=sorted(layers), stage_of_layer=stage_of_layer, file_of_tie=file_of_tie, holders=holders,
                        pp=u.source_mesh.pp)
     return dict(sorted(layers.items())), facts
 
 
-def absent_buffers_note(ck: Checkpoint) -> Optional[str]:
-    """What native pipeline files made from universal folder ``ck`` cannot hold: the buffers it lacks."""
+def pipeline_notes(ck: Checkpoint) -> list[str]:
+    """What native pipeline files made from universal folder ``ck`` cannot hold when it holds no layer files
+    (ds_to_universal's): the buffers it lacks, and the files of layers without state."""
+    if ck.universal.layer_files:
+        return []
+    out = []
     missing = [a.split(":")[0].split()[-1] for a in ck.universal.absent if a.startswith("buffer ")]
-    if not missing:
-        return None
-    return (f"the layer files hold no value for the buffers {', '.join(missing)}: the universal folder lacks them "
-            "(ds_to_universal copies no layer files). Load with engine.load_checkpoint(..., load_module_strict=False); "
-            "these buffers then keep the values the model is built with, as after DeepSpeed's own universal load")
+    if missing:
+        out.append(f"the layer files hold no value for the buffers {', '.join(missing)}: the universal folder lacks "
+                   "them (ds_to_universal copies no layer files). Load with engine.load_checkpoint(..., "
+                   "load_module_strict=False); these buffers then keep the values the model is built with, as after "
+                   "DeepSpeed's own universal load")
+    out.append("a layer module without state (an activation given as a LayerSpec) gets no layer file: the folder does "
+               "not say where such layers are, and DeepSpeed's load stops at a layer without a file; save an empty "
+               "one for each, torch.save({}, 'layer_XX-model_states.pt') in the tag folder")
+    return out
 
 
 class UniversalTemplate:
@@ -221,4 +230,4 @@ class UniversalTemplate:
 
 
 __all__ = ["UniversalTemplate", "native_tag", "refuse_for_native", "derived_notes", "universal_layers",
-           "absent_buffers_note", "UNIVERSAL_SUFFIX"]
+           "pipeline_notes", "UNIVERSAL_SUFFIX"]

@@ -32,7 +32,7 @@ from .mesh_files import (MeshZero3Writer, MeshZero12Writer, ShardRanges, layer_f
                          stage0_optimizer, zero3_model_states)
 from .stages import plan_stages
 from .target import build_target, pipeline_layers, split_of
-from .trees import DROP, TreeFiles, batch_note, client_files, converter_scripts, sub_group_size
+from .trees import DROP, TreeFiles, batch_note, carried, client_files, converter_scripts, sub_group_size
 
 
 def _refuse(ck: Checkpoint, why: str, hint: Optional[str] = None):
@@ -93,7 +93,7 @@ def _stage_plan(ck: Checkpoint, mesh: Mesh, rules: Optional[SplitRules], partiti
             ties[tie_names[0].split(".")[1]] = [n for n, _ in ents]
         else:
             plain[idx] = [n for n, _ in ents]
-    tie_layer = {key: next(i for i, e in layers.items() if e[0][0] in names) for key, names in ties.items()}
+    tie_layer = {key: next(i for i, e in layers.items() if e and e[0][0] in names) for key, names in ties.items()}
     src_w = {i: weight(ns, ck.mesh.tp) for i, ns in plain.items()}
     dst_w = {i: weight(ns, mesh.tp) for i, ns in plain.items()}
     tie_src = {k: weight(ns, ck.mesh.tp) for k, ns in ties.items()}
@@ -190,17 +190,22 @@ def plan_mesh_files(ck: Checkpoint, mesh: Mesh, *, tp_rules: Optional[SplitRules
             name, obj = writer.optim_states(r)
             files.append(trees.make(f"{tag}/{name}", "optim_states", obj, r))
     if pipeline:
+        empty = {f.layer: f for f in ck.files if f.kind == fnames.LAYER_STATES and (f.mp_rank or 0) == 0
+                 and not stages.layers.get(f.layer)}  # a layer without state: its file copied as it is
         for mp, ts in model.sets.items():
             for layer in ts.layers:
                 name = fnames.layer_states_name(layer, ts.tp if model.tensor_axis else None)
+                if layer in empty:
+                    files.append(carried(f"{tag}/{name}", os.fspath(empty[layer].path), empty[layer].bytes))
+                    continue
                 files.append(trees.make(f"{tag}/{name}", "layer_states", layer_file_tree(ts, layer, shards)))
     for script in converter_scripts(ck):
         files.append(CopyFile(Path(script).name, script, os.path.getsize(script)))
     world = mesh.pp * mesh.tp * mesh.dp
     if hf_files:
-        carried, carried_notes = client_files(ck, world)
-        files += carried
-        notes += carried_notes
+        client, client_notes = client_files(ck, world)
+        files += client
+        notes += client_notes
     note = batch_note(ck, mesh.dp)
     notes += [note] if note else []
     checks = replica_checks(ck) + value_proofs(ck)  # replicas and what metadata leaves open, before writing

@@ -126,7 +126,8 @@ def source_facts(ck: Checkpoint, layers: dict) -> StageFacts:
     stage_of_layer = {}
     for f in ck.files:
         if f.kind == "layer_states" and (f.mp_rank or 0) == 0 and f.layer in layers:
-            stage_of_layer[f.layer] = by_path.get(str(f.path), by_path.get(f.path.as_posix(), -1))
+            stage_of_layer[f.layer] = by_path.get(str(f.path), by_path.get(f.path.as_posix(), -1)) \
+                if layers[f.layer] else None  # a layer without state: no stage lists it
     holders: dict = {}
     for zs in ck.sets.values():
         for p in zs.parameters:

@@ -169,7 +169,7 @@ def client_group(ck: Checkpoint, name: str, group: Optional[int]) -> Optional[in
 
 def pipeline_layers(ck: Checkpoint) -> dict:
     """``{layer: [(model name, key in the layer file)]}`` of the source's layer files (tensor rank 0's), in
-    file order; a tied layer's entries under ``tied_modules.<key>.*``."""
+    file order; a tied layer's entries under ``tied_modules.<key>.*``; a layer without state: no entries."""
     out: dict = {}
     for mp, zs in sorted(ck.sets.items()):
         if zs.coordinate.tp:
@@ -184,6 +184,9 @@ def pipeline_layers(ck: Checkpoint) -> dict:
             entries = out.setdefault(role.layer, [])
             if all(n != name for n, _ in entries):
                 entries.append((name, key))
+    for f in ck.files:  # a layer module without state (an activation): DeepSpeed saves, and loads, its empty file
+        if f.kind == "layer_states" and f.layer is not None and (f.mp_rank or 0) == 0:
+            out.setdefault(f.layer, [])
     return dict(sorted(out.items()))
 
 
@@ -214,7 +217,9 @@ def build_target(ck: Checkpoint, mesh: Mesh, rules: Optional[SplitRules], stages
         for t in range(mesh.tp):
             ts = TargetSet(stage=s, tp=t, mp=s * mesh.tp + t,  # the layer files this stage writes: its own layers'
                            layers=sorted({layer_of[n][0] for n in names if n in layer_of
-                                          and stages.layer_stage.get(layer_of[n][0]) == s}) if stages else [])
+                                          and stages.layer_stage.get(layer_of[n][0]) == s}
+                                         | {i for i, ents in layers.items() if not ents
+                                            and stages.layer_stage.get(i) == s}) if stages else [])
             groups: list = [[] for _ in sigs]
             for n in names:
                 buffer = n in buffers
