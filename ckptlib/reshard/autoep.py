@@ -31,8 +31,8 @@ from ..layout.ranges import Zeros, slice_ranges
 from ..layout.placement import row_major_strides
 from ..mesh import Mesh
 from ..plan import CopyFile
-from .moe import ExpertWriter, expert_files
-from .trees import TreeFiles, batch_note, client_files, converter_scripts, replace
+from .moe import ExpertWriter, expert_files, expert_mesh
+from .trees import TreeFiles, carried_client, converter_scripts, replace
 from .zero3 import Zero3Writer
 
 
@@ -105,13 +105,7 @@ def plan_autoep_files(ck: Checkpoint, mesh: Mesh, hf_files: bool = True) -> tupl
     if (mesh.tp, mesh.pp) != (1, 1):
         _refuse(ck, "an AutoEP checkpoint has no tensor or pipeline axis to change")
     layers = ck.records.autoep_layers
-    experts = {lay.num_experts for lay in layers}
-    if len(experts) != 1:
-        _refuse(ck, f"AutoEP layers with different expert counts ({sorted(experts)}) are not supported yet")
-    n, world, ep = experts.pop(), mesh.dp, mesh.ep
-    if n % ep or world % ep:
-        _refuse(ck, f"{ep} expert-parallel ranks must divide the {n} experts and the world of {world} ranks",
-                hint="pick an expert-parallel size that divides both")
+    n, world, ep = expert_mesh(ck, [lay.num_experts for lay in layers], mesh, "AutoEP")
     if any(k.layout == WHOLE_PARAMS for g in (ck.optimizer.groups if ck.optimizer else []) for k in g.keys):
         _refuse(ck, "Muon with AutoEP cannot be resharded yet")
     if (ck.ds_config.get("zero_optimization") or {}).get("round_robin_gradients"):
@@ -126,7 +120,7 @@ def plan_autoep_files(ck: Checkpoint, mesh: Mesh, hf_files: bool = True) -> tupl
     notes = [f"AutoEP experts: {n} per layer, {n // ep} on each of {ep} expert-parallel rank(s), each expert group "
              f"partitioned over {world // ep} rank(s); the per-expert files are copied (they name global ids); load it "
              f"with \"expert_parallel\": {{\"autoep_size\": {ep}}}"]
-    carried, more = _client(ck, world, hf_files)
+    carried, more = carried_client(ck, world, hf_files)
     return files + carried, notes + more
 
 
@@ -235,18 +229,11 @@ def zero3_files(ck: Checkpoint, world: int, ep: int, hf_files: bool, writer_type
         name, obj = writer.optim_states(r)
         files.append(trees.make(f"{tag}/{name}", "optim_states", obj, r))
     files += [CopyFile(Path(s).name, s, os.path.getsize(s)) for s in converter_scripts(ck)]
-    carried, notes = _client(ck, world, hf_files)
+    carried, notes = carried_client(ck, world, hf_files)
     n = ck.records.autoep_layers[0].num_experts
     return files + carried, [f"AutoEP experts (ZeRO-3): {n} per layer, {n // ep} on each of {ep} expert-parallel "
                              f"rank(s), partitioned over its {world // ep} member rank(s); load it with "
                              f"\"expert_parallel\": {{\"autoep_size\": {ep}}}"] + notes
-
-
-def _client(ck: Checkpoint, world: int, hf_files: bool) -> tuple:
-    """The client files carried over (HF Trainer, Accelerate) and the notes on them and on the batch."""
-    files, notes = ([], []) if not hf_files else client_files(ck, world)
-    note = batch_note(ck, world)
-    return files, notes + ([note] if note else [])
 
 
 __all__ = ["plan_autoep_files", "AutoEPWriter", "AutoEPZero3Writer", "target_layers", "zero3_files", "rebuilt_layout"]

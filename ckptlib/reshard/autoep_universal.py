@@ -24,10 +24,11 @@ from ..layout.flat import FlatGroupLayout
 from ..layout.ranges import slice_ranges
 from ..mesh import Mesh
 from ..plan import CopyFile
-from .autoep import AutoEPWriter, AutoEPZero3Writer, _client, _model_entries, rebuilt_layout, target_layers, zero3_files
+from .autoep import AutoEPWriter, AutoEPZero3Writer, _model_entries, rebuilt_layout, target_layers, zero3_files
 from .from_universal import UniversalTemplate, native_tag
+from .moe import expert_mesh
 from .zero3 import Zero3Writer
-from .trees import TreeFiles, converter_scripts, replace, streamed
+from .trees import TreeFiles, carried_client, converter_scripts, replace, streamed
 from .zero12 import Zero12Writer
 
 
@@ -124,16 +125,7 @@ def plan_autoep_from_universal(ck: Checkpoint, mesh: Mesh, hf_files: bool = True
         raise UnsupportedCheckpointError(f"native files of a ZeRO-{ck.zero_stage} AutoEP run from a universal "
                                          "checkpoint are not written yet", path=where,
                                          hint="DeepSpeed resumes from it with \"load_universal\": true")
-    layers = ck.records.autoep_layers
-    counts = {lay.num_experts for lay in layers}
-    if len(counts) != 1:
-        raise UnsupportedCheckpointError(f"AutoEP layers with different expert counts ({sorted(counts)}) are not "
-                                         "supported yet", path=where)
-    n, world, ep = counts.pop(), mesh.dp, mesh.ep
-    if n % ep or world % ep:
-        raise UnsupportedCheckpointError(f"{ep} expert-parallel ranks must divide the {n} experts and the world of "
-                                         f"{world} ranks", path=where, hint="pick an expert-parallel size that divides "
-                                                                            "both (--ep)")
+    n, world, ep = expert_mesh(ck, [lay.num_experts for lay in ck.records.autoep_layers], mesh, "AutoEP")
     if ck.zero_stage == 3:
         files, notes = zero3_files(ck, world, ep, hf_files, UniversalAutoEPZero3Writer, native_tag(ck))
         return files, notes, native_tag(ck)
@@ -148,7 +140,7 @@ def plan_autoep_from_universal(ck: Checkpoint, mesh: Mesh, hf_files: bool = True
         files.append(trees.make(f"{tag}/{name}", "optim_states", obj, r))
     files += expert_weight_files(ck, tag, trees)
     files += [CopyFile(Path(s).name, s, os.path.getsize(s)) for s in converter_scripts(ck)]
-    carried, notes = _client(ck, world, hf_files)
+    carried, notes = carried_client(ck, world, hf_files)
     return files + carried, [f"AutoEP experts: {n} per layer, {n // ep} on each of {ep} expert-parallel rank(s), "
                              f"each expert group partitioned over {world // ep} rank(s); the per-expert 16-bit files "
                              f"made from the masters; load it with \"expert_parallel\": {{\"autoep_size\": {ep}}}"] \

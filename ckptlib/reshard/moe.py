@@ -31,7 +31,7 @@ from ..layout.ranges import Zeros, slice_ranges
 from ..mesh import Mesh
 from ..plan import CopyFile
 from .footprint import RankFootprint, footprint
-from .trees import TreeFiles, batch_note, carried, client_files, converter_scripts, replace
+from .trees import TreeFiles, carried, carried_client, converter_scripts, replace
 from .zero12 import Zero12Writer
 
 LOCAL_EXPERT = re.compile(r"^(.*deepspeed_experts\.)(\d+)(\..*)$")
@@ -58,6 +58,19 @@ def local_pattern(names: list) -> list:
             raise ValueError(f"the experts of {prefix} are not listed alike in their group")
         out.append((prefix, suffixes))
     return out
+
+
+def expert_mesh(ck: Checkpoint, counts, mesh: Mesh, what: str = "MoE") -> tuple[int, int, int]:
+    """``(experts per layer, world, ep)`` of a checkpoint whose ``what`` layers hold ``counts`` experts, at ``mesh``;
+    refused where the layers' counts differ or the expert-parallel size divides the experts or the world not."""
+    counts = set(counts)
+    if len(counts) != 1:
+        _refuse(ck, f"{what} layers with different expert counts ({sorted(counts)}) are not supported yet")
+    experts, world, ep = counts.pop(), mesh.dp, mesh.ep
+    if experts % ep or world % ep:
+        _refuse(ck, f"{ep} expert-parallel ranks must divide the {experts} experts and the world of {world} ranks",
+                hint="pick an expert-parallel size that divides both (--ep)")
+    return experts, world, ep
 
 
 class ExpertWriter(Zero12Writer):
@@ -153,26 +166,15 @@ def plan_moe_files(ck: Checkpoint, mesh: Mesh, hf_files: bool = True) -> tuple[l
                     "yet", hint="`ckpt export` writes its full model (every expert under its global id)")
     if len(ck.sets) > 1:
         _refuse(ck, "resharding a mixture-of-experts checkpoint with pipeline stages or tensor ranks is not supported yet")
-    counts = set(ck.num_experts or [])
-    if len(counts) != 1:
-        _refuse(ck, f"MoE layers with different expert counts ({sorted(counts)}) are not supported yet")
-    experts = counts.pop()
-    world, ep = mesh.dp, mesh.ep
-    if experts % ep or world % ep:
-        _refuse(ck, f"{ep} expert-parallel ranks must divide the {experts} experts and the world of {world} ranks",
-                hint="pick an expert-parallel size that divides both")
+    experts, world, ep = expert_mesh(ck, ck.num_experts or [], mesh)
     if (ck.ds_config.get("zero_optimization") or {}).get("round_robin_gradients"):
         _refuse(ck, "round_robin_gradients: resharding a mixture-of-experts checkpoint with it is not supported yet")
     writer = MoEWriter(ck, world, ep, experts)
     files = expert_files(ck, writer, {})
     notes = [f"experts: {experts} per MoE layer, {experts // ep} on each of {ep} expert-parallel rank(s), each "
              f"expert group partitioned over {world // ep} rank(s); expert files copied (they name global ids)"]
-    if hf_files:
-        carried, carried_notes = client_files(ck, world)
-        files += carried
-        notes += carried_notes
-    note = batch_note(ck, world)
-    notes += [note] if note else []
+    client, client_notes = carried_client(ck, world, hf_files)
+    files, notes = files + client, notes + client_notes
     dense = sum(p.numel for p in ck.parameters if p.trainable and not p.tied_to and expert_id(p.name) is None)
     local = sum(p.numel for p in ck.parameters if p.trainable and not p.tied_to and expert_id(p.name) is not None) // ep
     a = footprint(dense, ck.dtype, ck.zero_stage, world)
@@ -182,4 +184,4 @@ def plan_moe_files(ck: Checkpoint, mesh: Mesh, hf_files: bool = True) -> tuple[l
     return files, notes, prints
 
 
-__all__ = ["plan_moe_files", "MoEWriter", "ExpertWriter", "expert_files", "local_pattern", "LOCAL_EXPERT"]
+__all__ = ["plan_moe_files", "MoEWriter", "ExpertWriter", "expert_files", "local_pattern", "LOCAL_EXPERT", "expert_mesh"]

@@ -25,8 +25,8 @@ from ..layout.flat import FlatGroupLayout
 from ..mesh import Mesh
 from ..plan import CopyFile
 from .from_universal import UniversalTemplate, native_tag
-from .moe import LOCAL_EXPERT, MoEWriter, local_pattern
-from .trees import TreeFiles, batch_note, client_files, converter_scripts, replace, streamed
+from .moe import LOCAL_EXPERT, MoEWriter, expert_mesh, local_pattern
+from .trees import TreeFiles, carried_client, converter_scripts, replace, streamed
 from .zero12 import Zero12Writer
 
 
@@ -79,15 +79,8 @@ def plan_moe_from_universal(ck: Checkpoint, mesh: Mesh, hf_files: bool = True) -
     if ck.zero_stage not in (1, 2):
         raise UnsupportedCheckpointError(f"native files of a ZeRO-{ck.zero_stage} mixture-of-experts run from a "
                                          "universal checkpoint are not written yet", path=where)
-    counts = {int(n) for n in (ck.main.model_states_file().obj.get("num_experts") or [])}
-    if len(counts) != 1:
-        raise UnsupportedCheckpointError(f"MoE layers with different expert counts ({sorted(counts)}) are not "
-                                         "supported yet", path=where)
-    experts, world, ep = counts.pop(), mesh.dp, mesh.ep
-    if experts % ep or world % ep:
-        raise UnsupportedCheckpointError(f"{ep} expert-parallel ranks must divide the {experts} experts and the world "
-                                         f"of {world} ranks", path=where,
-                                         hint="pick an expert-parallel size that divides both (--ep)")
+    experts, world, ep = expert_mesh(ck, [int(n) for n in ck.main.model_states_file().obj.get("num_experts") or []],
+                                     mesh)
     writer = UniversalMoEWriter(ck, world, ep, experts)
     tag, trees = native_tag(ck), TreeFiles()
     model = ck.main.model_states_file().obj
@@ -100,12 +93,8 @@ def plan_moe_from_universal(ck: Checkpoint, mesh: Mesh, hf_files: bool = True) -
     files += [CopyFile(Path(s).name, s, os.path.getsize(s)) for s in converter_scripts(ck)]
     notes = [f"experts: {experts} per MoE layer, {experts // ep} on each of {ep} expert-parallel rank(s), each "
              f"expert group partitioned over {world // ep} rank(s); the 16-bit expert files made from the masters"]
-    if hf_files:
-        carried, carried_notes = client_files(ck, world)
-        files += carried
-        notes += carried_notes
-    note = batch_note(ck, world)
-    return files, notes + ([note] if note else []), tag
+    client, client_notes = carried_client(ck, world, hf_files)
+    return files + client, notes + client_notes, tag
 
 
 __all__ = ["plan_moe_from_universal", "UniversalMoEWriter", "expert_weight_files"]

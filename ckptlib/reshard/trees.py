@@ -148,6 +148,14 @@ def client_files(ck: Checkpoint, world_size: Optional[int]) -> tuple[list[CopyFi
     return files, [f"carried over {who}: {', '.join(f.name for f in found.files)}", *found.notes]
 
 
+def carried_client(ck: Checkpoint, world: int, hf_files: bool = True) -> tuple[list, list[str]]:
+    """The client files carried over (``hf_files``: HF Trainer, Accelerate; :func:`client_files`) and the notes on
+    them and on the global batch at ``world`` ranks (:func:`batch_note`)."""
+    files, notes = client_files(ck, world) if hf_files else ([], [])
+    note = batch_note(ck, world)
+    return files, notes + ([note] if note else [])
+
+
 def batch_note(ck: Checkpoint, world_size: int) -> Optional[str]:
     """What per-rank micro-batch keeps the checkpoint's global batch at ``world_size`` data-parallel ranks
     (DeepSpeed checks train_batch_size = micro-batch x accumulation steps x ranks when it starts)."""
@@ -168,5 +176,5 @@ def batch_note(ck: Checkpoint, world_size: int) -> Optional[str]:
             f"pick micro-batch x accumulation x {world_size} = the global batch you want (the data order changes)")
 
 
-__all__ = ["client_files", "batch_note", "DEFAULT_SUB_GROUP_SIZE", "DROP", "replace", "streamed", "copied", "to_ranges",
+__all__ = ["carried_client", "client_files", "batch_note", "DEFAULT_SUB_GROUP_SIZE", "DROP", "replace", "streamed", "copied", "to_ranges",
            "optim_prefix", "tree_file", "carried", "TreeFiles", "sub_group_size", "converter_scripts"]
