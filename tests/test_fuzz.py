@@ -98,39 +98,50 @@ def _read_bytes(plan) -> dict[str, list]:
     return out
 
 
-@pytest.mark.parametrize("name", ["z2_bf16_w2", "z3_fp32_w2", "z1_fp16_w3"])
-def test_a_successful_export_of_a_mutated_checkpoint_is_exact(fixture_by_name, tmp_path, name):
-    ckpt = tmp_path / "ckpt"
-    shutil.copytree(fixture_by_name(name)["checkpoint_path"], ckpt)
-    tag = ckpt / "global_step2"
-    original = _files(ckpt)
-    clean = ckptlib.plan_export(ckpt, tmp_path / "ref", verify_crc=True, hf_files=False, states=["exp_avg"])
+def _exports_under_damage(source: Path, root: Path, tmp_path: Path, mutate, count: int, names_it) -> dict:
+    """``count`` seeded mutations of the files under ``root`` (``mutate()``: ``(what, changed)``, see
+    :func:`_mutate`), each undone after an export of ``source`` (the fp32 masters and exp_avg, every CRC-32 it reads
+    verified): a refusal is one CkptError with a path (``names_it(error, changed)``: it names the damaged file),
+    leaving no output; a successful export is byte for byte the undamaged one's, the damage outside every byte it
+    reads. Returns ``{"refused": n, "exact": n}``."""
+    original = _files(root)
+    clean = ckptlib.plan_export(source, tmp_path / "ref", verify_crc=True, hf_files=False, states=["exp_avg"])
     used = _read_bytes(clean)
     ckptlib.export(clean)
     reference = {p.relative_to(tmp_path / "ref"): p.read_bytes() for p in (tmp_path / "ref").rglob("*") if p.is_file()}
-    rng = random.Random(f"{SEED}-{name}")
     outcomes: dict = {"refused": 0, "exact": 0}
-    for i in range(MUTATIONS):
-        what, changed = _mutate(rng, tag, ckpt, original)
+    for i in range(count):
+        what, changed = mutate(original)
         out = tmp_path / f"out{i}"
         try:
-            ckptlib.export(ckpt, out, verify_crc=True, hf_files=False, states=["exp_avg"])
+            ckptlib.export(source, out, verify_crc=True, hf_files=False, states=["exp_avg"])
         except CkptError as e:
             outcomes["refused"] += 1
-            assert e.path or str(ckpt) in str(e), (what, str(e))
+            assert e.path or str(source) in str(e), (what, str(e))
             if changed:  # damage inside one file: the error names that file (the one to restore)
-                assert any(Path(p).name in str(e) for p, _, _ in changed), (what, str(e))
+                assert names_it(e, changed), (what, str(e))
             assert not out.exists(), what
         except Exception as e:  # noqa: BLE001 - anything else is a bug the fuzzing found
             raise AssertionError(f"{what}: {type(e).__name__}: {e}") from e
         else:
             outcomes["exact"] += 1
             got = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
-            assert got == reference, f"{what}: a successful export differs from the undamaged checkpoint's"
-            for path, a, b in changed:  # and the damage lay outside every byte the export reads
-                assert not any(lo < b and a < hi for lo, hi in used.get(path, [])), what
+            assert got == reference, f"{what}: a successful export differs from the undamaged source's"
+            for path, lo_b, hi_b in changed:  # and the damage lay outside every byte the export reads
+                assert not any(lo < hi_b and lo_b < hi for lo, hi in used.get(path, [])), what
             shutil.rmtree(out)
-        _restore(ckpt, original)
+        _restore(root, original)
+    return outcomes
+
+
+@pytest.mark.parametrize("name", ["z2_bf16_w2", "z3_fp32_w2", "z1_fp16_w3"])
+def test_a_successful_export_of_a_mutated_checkpoint_is_exact(fixture_by_name, tmp_path, name):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(fixture_by_name(name)["checkpoint_path"], ckpt)
+    tag = ckpt / "global_step2"
+    rng = random.Random(f"{SEED}-{name}")
+    outcomes = _exports_under_damage(ckpt, ckpt, tmp_path, lambda original: _mutate(rng, tag, ckpt, original),
+                                     MUTATIONS, lambda e, changed: any(Path(p).name in str(e) for p, _, _ in changed))
     assert outcomes["refused"] > MUTATIONS // 3 and outcomes["exact"] > 0, outcomes
 
 
@@ -348,37 +359,16 @@ def test_a_mutated_universal_folder_is_refused_naming_the_file_or_exported_exact
     state, the copied model-states files) is one CkptError naming the file, or the export (masters and exp_avg,
     every CRC-32 read verified) is byte for byte the undamaged folder's and the damage lay outside what it reads."""
     fx = fixture_by_name(name)
-    root = ckptlib.write_universal(fx["checkpoint_path"], tmp_path / "uc").out
-    uni = Path(root) / f"{fx['tag']}_universal"
-    original = _files(root)
-    files = sorted(p for p in original if p.suffix == ".pt")
-    clean = ckptlib.plan_export(uni, tmp_path / "ref", verify_crc=True, hf_files=False, states=["exp_avg"])
-    used = _read_bytes(clean)
-    ckptlib.export(clean)
-    reference = {p.relative_to(tmp_path / "ref"): p.read_bytes() for p in (tmp_path / "ref").rglob("*") if p.is_file()}
+    root = Path(ckptlib.write_universal(fx["checkpoint_path"], tmp_path / "uc").out)
+    uni = root / f"{fx['tag']}_universal"
+    files = sorted(p for p in _files(root) if p.suffix == ".pt")
     rng = random.Random(f"{SEED}-universal-{name}")
-    outcomes: dict = {"refused": 0, "exact": 0}
-    for i in range(UNIVERSAL_MUTATIONS):
-        what, changed = _mutate_any(rng, files, original)
-        out = tmp_path / f"out{i}"
-        try:
-            ckptlib.export(uni, out, verify_crc=True, hf_files=False, states=["exp_avg"])
-        except CkptError as e:
-            outcomes["refused"] += 1
-            assert e.path or str(uni) in str(e), (what, str(e))
-            if changed:
-                rel = str(Path(changed[0][0]).relative_to(uni)) if Path(changed[0][0]).is_relative_to(uni) else \
-                    Path(changed[0][0]).name
-                assert rel in str(e) or Path(changed[0][0]).name in str(e) and "zero/" not in rel, (what, str(e))
-            assert not out.exists(), what
-        except Exception as e:  # noqa: BLE001 - anything else is a bug the fuzzing found
-            raise AssertionError(f"{what}: {type(e).__name__}: {e}") from e
-        else:
-            outcomes["exact"] += 1
-            got = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
-            assert got == reference, f"{what}: a successful export differs from the undamaged folder's"
-            for path, a, b in changed:
-                assert not any(lo < b and a < hi for lo, hi in used.get(path, [])), what
-            shutil.rmtree(out)
-        _restore(root, original)
+
+    def names_it(e, changed) -> bool:
+        first = Path(changed[0][0])
+        rel = str(first.relative_to(uni)) if first.is_relative_to(uni) else first.name
+        return rel in str(e) or first.name in str(e) and "zero/" not in rel
+
+    outcomes = _exports_under_damage(uni, root, tmp_path, lambda original: _mutate_any(rng, files, original),
+                                     UNIVERSAL_MUTATIONS, names_it)
     assert outcomes["refused"] > UNIVERSAL_MUTATIONS // 3 and outcomes["exact"] > 0, outcomes

@@ -286,8 +286,8 @@ def join_universal(fs: OpenedFiles, notes: list, problems: list):
         # local expert's folder stacks the global experts of that local id
         local = known.get(locals_of[name])
         if local is None:  # a folder written for another expert-parallel size than the file lists: the listed
-            listed = {expert_id(n) for n in known} - {None}  # local ids
-            if listed and expert_id(name) is not None:
+            listed = {expert_id(n) for n in known} - {None}  # local ids: 0 .. L-1
+            if listed == set(range(len(listed))) and listed and expert_id(name) is not None:
                 local = known.get(with_expert_id(name, expert_id(name) % len(listed)))
         params.append(ParameterInfo(name=name, shape=master_shapes.get(name, ()), trainable=True,
                                     group=local.group if local is not None else None))

@@ -15,13 +15,11 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Optional
 
-import re
-
 from ..deepspeed import Checkpoint
 from ..deepspeed import files as fnames
 from ..errors import PipelineUnknownError, UnsupportedCheckpointError
 from ..mesh import Rank
-from .stages import StageFacts
+from .stages import TIED_MODULE, StageFacts
 
 UNIVERSAL_SUFFIX = "_universal"
 # a per-element state in the template: the writers replace it by the state cut for each rank (saved without grad)
@@ -75,9 +73,6 @@ def refuse_for_native(ck: Checkpoint, mesh=None) -> None:
             hint="load it with \"load_universal\": true in an engine with round_robin_gradients off")
 
 
-_TIED = re.compile(r"^tied_modules\.([^.]+)\.(.+)$")
-
-
 def universal_layers(ck: Checkpoint, tied: Optional[dict] = None) -> tuple[dict, StageFacts]:
     """``({layer: [(model name, key in its layer file)]}, StageFacts)`` of a pipeline's universal folder ``ck``, from
     the names each stage's model-states file lists: ``{idx}.{key}`` is layer ``idx``'s; a tied module
@@ -95,7 +90,7 @@ def universal_layers(ck: Checkpoint, tied: Optional[dict] = None) -> tuple[dict,
             stages_of.setdefault(name, set()).add(stage)
             if name not in held:
                 continue
-            m = _TIED.match(name)
+            m = TIED_MODULE.match(name)
             if m:
                 names = tie_names.setdefault(m.group(1), [])
                 names += [] if name in names else [name]
@@ -113,7 +108,7 @@ def universal_layers(ck: Checkpoint, tied: Optional[dict] = None) -> tuple[dict,
                                    f"key (it holds: {', '.join(sorted(tie_names)) or 'none'})", path=ck.location.tag_dir)
     file_of_tie = {}
     for tie, names in tie_names.items():
-        attrs = [_TIED.match(n).group(2) for n in names]
+        attrs = [TIED_MODULE.match(n).group(2) for n in names]
         if tie in tied:
             file_of_tie[tie] = tied[tie][0]
             continue
@@ -131,7 +126,7 @@ def universal_layers(ck: Checkpoint, tied: Optional[dict] = None) -> tuple[dict,
         if idx in layers:
             raise PipelineUnknownError(f"--pp-tied {tie}: layer {idx} is a layer of its own ({layers[idx][0][0]}, ...), "
                                        "not the tied module's", path=ck.location.tag_dir)
-        layers[idx] = [(n, _TIED.match(n).group(2)) for n in tie_names[tie]]
+        layers[idx] = [(n, TIED_MODULE.match(n).group(2)) for n in tie_names[tie]]
     for idx, keys in u.layer_files.items():  # a copied layer file's key order; a layer without state: its file
         if not keys and idx not in layers:
             layers[idx] = []

@@ -30,7 +30,7 @@ from .footprint import footprint
 from .from_universal import UniversalTemplate, derived_notes, native_tag, refuse_for_native, universal_layers
 from .mesh_files import (MeshZero3Writer, MeshZero12Writer, ShardRanges, layer_file_tree, model_states_tree,
                          stage0_optimizer, zero3_model_states)
-from .stages import plan_stages
+from .stages import plan_stages, ties_in
 from .target import build_target, pipeline_layers, split_of
 from .trees import DROP, TreeFiles, batch_note, carried, client_files, converter_scripts, sub_group_size
 
@@ -93,7 +93,7 @@ def _stage_plan(ck: Checkpoint, mesh: Mesh, rules: Optional[SplitRules], partiti
             ties[tie_names[0].split(".")[1]] = [n for n, _ in ents]
         else:
             plain[idx] = [n for n, _ in ents]
-    tie_layer = {key: next(i for i, e in layers.items() if e and e[0][0] in names) for key, names in ties.items()}
+    tie_layer = ties_in(layers)
     src_w = {i: weight(ns, ck.mesh.tp) for i, ns in plain.items()}
     dst_w = {i: weight(ns, mesh.tp) for i, ns in plain.items()}
     tie_src = {k: weight(ns, ck.mesh.tp) for k, ns in ties.items()}

@@ -23,7 +23,7 @@ from ..layout.stages import PARAMETERS, UNIFORM, partition_balanced, partition_u
 LAYER_SLACK = 4          # layer counts tried past the last layer file
 MAX_CANDIDATES = 20000   # descriptions tried before asking the user
 
-_TIE = re.compile(r"^tied_modules\.([^.]+)\.")
+TIED_MODULE = re.compile(r"^tied_modules\.([^.]+)\.(.+)$")  # a tied module's parameter: (key, its name in it)
 
 
 @dataclass
@@ -45,7 +45,7 @@ class PipelinePlan:
         tie_entries: dict = {}
         for idx, ents in layers.items():
             for name, _ in ents:
-                m = _TIE.match(name)
+                m = TIED_MODULE.match(name)
                 if m:
                     tie_entries.setdefault(m.group(1), []).append(name)
         out: dict = {}
@@ -53,7 +53,7 @@ class PipelinePlan:
             names = [n for key in self.tie_order.get(s, []) for n in tie_entries.get(key, [])]
             for idx, ents in layers.items():
                 if self.layer_stage[idx] == s:
-                    names += [n for n, _ in ents if not _TIE.match(n)]
+                    names += [n for n, _ in ents if not TIED_MODULE.match(n)]
             out[s] = names
         return out
 
@@ -114,7 +114,7 @@ def ties_in(layers: dict) -> dict:
     out: dict = {}
     for idx, ents in layers.items():
         for name, _ in ents:
-            m = _TIE.match(name)
+            m = TIED_MODULE.match(name)
             if m:
                 out.setdefault(m.group(1), idx)
     return out
@@ -131,7 +131,7 @@ def source_facts(ck: Checkpoint, layers: dict) -> StageFacts:
     holders: dict = {}
     for zs in ck.sets.values():
         for p in zs.parameters:
-            m = _TIE.match(p.name)
+            m = TIED_MODULE.match(p.name)
             if m:
                 holders.setdefault(m.group(1), set()).add(zs.coordinate.pp)
     return StageFacts(layers=sorted(layers), stage_of_layer=stage_of_layer, file_of_tie=ties_in(layers),
@@ -283,4 +283,4 @@ def _use_choices(facts: StageFacts, tied: dict, free: list):
         yield dict(zip(keys, combo))
 
 
-__all__ = ["PipelinePlan", "StageFacts", "source_facts", "ties_in", "plan_stages", "parse_partition", "parse_tied", "LAYER_SLACK"]
+__all__ = ["TIED_MODULE", "PipelinePlan", "StageFacts", "source_facts", "ties_in", "plan_stages", "parse_partition", "parse_tied", "LAYER_SLACK"]

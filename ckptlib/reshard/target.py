@@ -29,9 +29,8 @@ from ..deepspeed.files import classify
 from ..errors import PipelineUnknownError, UnsupportedCheckpointError
 from ..layout.placement import COLUMN, REPLICATED, ROW, VOCABULARY, even_sizes, shard_runs
 from ..mesh import Mesh
-from .stages import PipelinePlan
+from .stages import TIED_MODULE, PipelinePlan
 
-_TIED = re.compile(r"^(tied_modules\.[^.]+)\.(.+)$")
 
 
 @dataclass(frozen=True)
@@ -179,7 +178,7 @@ def pipeline_layers(ck: Checkpoint) -> dict:
             role = classify(path.rsplit("/", 1)[-1])
             if role.layer is None or role.kind != "layer_states":
                 continue
-            m = _TIED.match(name)
+            m = TIED_MODULE.match(name)
             key = m.group(2) if m else name.split(".", 1)[1]
             entries = out.setdefault(role.layer, [])
             if all(n != name for n, _ in entries):
