@@ -118,40 +118,41 @@ def describe_adapter(ck: Checkpoint, check_file: bool = True) -> Optional[dict]:
     }
 
 
-def adapter_lines(d: Optional[dict]) -> list[str]:
-    """The lines of inspect's text for the adapter (none when there is no adapter)."""
+def adapter_rows(d: Optional[dict]) -> list[tuple[str, str]]:
+    """The rows of the summary for the adapter, ``(label, text)`` as :func:`ckptlib.analysis.summary.summary_rows`
+    gives them (none when there is no adapter)."""
     if not d:
         return []
     if "refused" in d:
-        return [f"adapter     a peft adapter ckptlib cannot place: {d['refused']}"]
+        return [("adapter", f"a peft adapter ckptlib cannot place: {d['refused']}")]
     kinds = ", ".join(f"{n} {k}" for k, n in d["counts"].items())
     if d["method"]:
         targets = d["target_modules"] if isinstance(d["target_modules"], str) else ", ".join(d["target_modules"])
-        lines = [f"adapter     peft {d['method']}: r={d['r']} alpha={d['alpha']:g} (scaling {d['scaling']:g}); "
-                 f"target modules {targets}"
-                 + (f"; modules_to_save {', '.join(d['modules_to_save'])}" if d["modules_to_save"] else "")]
+        rows = [("adapter", f"peft {d['method']}: r={d['r']} alpha={d['alpha']:g} (scaling {d['scaling']:g}); "
+                            f"target modules {targets}"
+                            + (f"; modules_to_save {', '.join(d['modules_to_save'])}" if d["modules_to_save"] else ""))]
         per_module = [f"{k} {', '.join(f'{p}: {v:g}' for p, v in d[k].items())}" for k in ("rank_pattern", "alpha_pattern")
                       if d.get(k)]
         trained = ([f"bias={d['bias']!r}"] if d.get("bias") not in (None, "none") else []) + \
             (["lora_bias (lora_B has a bias)"] if d.get("lora_bias") else [])
         if per_module or trained:
-            lines.append("            " + "; ".join((["per module: " + "; ".join(per_module)] if per_module else [])
-                                                  + (["biases: " + ", ".join(trained)] if trained else [])))
+            rows.append(("", "; ".join((["per module: " + "; ".join(per_module)] if per_module else [])
+                                       + (["biases: " + ", ".join(trained)] if trained else []))))
     else:
-        lines = [f"adapter     a peft adapter (no {'adapter_config.json'} beside the tag: "
-                 "export --adapter takes --adapter-config)"]
-    lines.append(f"            {d['tensors']} adapter tensors ({kinds}), {d['trainable_elements']:,} elements")
-    lines.append(f"            base weights: {d['base']}")
+        rows = [("adapter", f"a peft adapter (no {'adapter_config.json'} beside the tag: "
+                            "export --adapter takes --adapter-config)")]
+    rows.append(("", f"{d['tensors']} adapter tensors ({kinds}), {d['trainable_elements']:,} elements"))
+    rows.append(("", f"base weights: {d['base']}"))
     f = d["weights_file"]
     if f is None:
-        lines.append("            no adapter_model.safetensors beside the tag")
+        rows.append(("", "no adapter_model.safetensors beside the tag"))
     else:
-        lines.append(f"            adapter_model.safetensors beside the tag ({human_bytes(f['bytes'])}, "
-                     f"{f['tensors']} tensors{', ' + f['dtype'] if f['dtype'] else ''}): {f['status'].upper()}"
-                     + (f"; {f['detail']}" if f["detail"] else ""))
+        rows.append(("", f"adapter_model.safetensors beside the tag ({human_bytes(f['bytes'])}, "
+                         f"{f['tensors']} tensors{', ' + f['dtype'] if f['dtype'] else ''}): {f['status'].upper()}"
+                         + (f"; {f['detail']}" if f["detail"] else "")))
         if f["status"] != SAME:
-            lines.append("            ckpt export CKPT OUT --adapter writes the fp32 masters under peft's names")
-    return lines
+            rows.append(("", "ckpt export CKPT OUT --adapter writes the fp32 masters under peft's names"))
+    return rows
 
 
 def pair_adapter_names(sa, sb) -> tuple:
@@ -206,4 +207,4 @@ def pair_adapter_names(sa, sb) -> tuple:
     return sa, sb, first
 
 
-__all__ = ["pair_adapter_names", "check_weights_file", "describe_adapter", "adapter_lines", "EMPTY", "SAME", "COPY16", "DIFFERENT", "NAMES"]
+__all__ = ["pair_adapter_names", "check_weights_file", "describe_adapter", "adapter_rows", "EMPTY", "SAME", "COPY16", "DIFFERENT", "NAMES"]

@@ -124,6 +124,12 @@ class UniversalSet(ZeroSet):
                 return tf.obj if tf is not None and isinstance(tf.obj, dict) else None
         return None
 
+    def value_file(self, name: str) -> Optional[str]:
+        """The file that holds the value of frozen parameter or buffer ``name`` (a copied model-states or layer file,
+        or its ``zero/<name>/fp32.pt``), or None where the folder holds none (:attr:`UniversalInfo.absent` says why)."""
+        ranges = self._buffer_ranges.get(name) or self._frozen.get(name)
+        return next((r.path for r in ranges if hasattr(r, "path")), None) if ranges else None
+
     def step_of(self, name: str) -> Optional[float]:
         """The step recorded for trainable parameter ``name`` (its own ``step.pt``, or its ZeRO-3 sub-group's)."""
         p = self.param(name)

@@ -50,6 +50,7 @@ class CheckpointBrowser(widgets.VBox):
     def __init__(self, path: Union[str, os.PathLike, None] = None):
         self.errors = ErrorArea()
         self.checkpoint: Optional[ckptlib.Checkpoint] = None
+        self.facts: Optional[dict] = None  # ckptlib.describe() of the checkpoint shown
         self.detected: Optional[Detected] = None
         self._callbacks: list[Callable] = []
         self._busy = False
@@ -186,14 +187,15 @@ class CheckpointBrowser(widgets.VBox):
         finally:
             self._busy = False
         self.tag.layout.display = "" if len(loc.tags) > 1 else "none"
-        self.summary.value = figures.summary_html(ck)
-        self.file_table.value = figures.file_table_html(ck)
-        set_png(self.chart, figure_png(figures.file_sizes_figure(ck)))
-        self.params.value = figures.parameters_html(ck)
-        self.problems.value = figures.problems_html(ck)
-        self.details.set_title(3, f"Problems ({len(ck.problems)})" if ck.problems else "Problems")
+        self.facts = d = ckptlib.describe(ck)  # the one summary: what `ckpt inspect` says, every tab from it
+        self.summary.value = figures.summary_html(d)
+        self.file_table.value = figures.file_table_html(d)
+        set_png(self.chart, figure_png(figures.file_sizes_figure(d)))
+        self.params.value = figures.parameters_html(d)
+        self.problems.value = figures.problems_html(d)
+        self.details.set_title(3, f"Problems ({len(d['problems'])})" if d["problems"] else "Problems")
         self.details.layout.display = ""
-        if ck.problems:
+        if d["problems"]:
             self.details.selected_index = 3
         for cb in self._callbacks:
             cb(ck)

@@ -7,12 +7,13 @@ into bytes for an ``ipywidgets.Image``. The tables are plain lists of dicts, and
 from __future__ import annotations
 
 import html
+import os
 import zlib
 from typing import Optional
 
 import ckptlib
-from ckptlib.analysis.summary import parallel_line
-from ckptlib.deepspeed.files import natural_key
+from ckptlib.analysis.summary import closing, file_lines, parameter_kind, summary_rows, where
+from ckptlib.deepspeed.files import FRAGMENT, natural_key
 from ckptlib.units import human_bytes
 
 from .plots import new_figure
@@ -41,36 +42,38 @@ def _message_figure(text: str, size=(6.4, 1.2)):
 
 
 # ============================================================================================ files
-def file_rows(ckpt: "ckptlib.Checkpoint") -> list[dict]:
-    """One row per file of the tag folder: name, kind, where in the mesh, bytes."""
-    return [{"file": f.path.name, "kind": f.kind, "where": _where(ckpt, f), "dp_rank": f.dp_rank, "bytes": f.bytes}
-            for f in ckpt.files]
+def _summary(ckpt) -> dict:
+    """:func:`ckptlib.describe` of a checkpoint, or the dict itself."""
+    return ckpt if isinstance(ckpt, dict) else ckptlib.describe(ckpt)
 
 
-def _where(ckpt: "ckptlib.Checkpoint", f) -> str:
-    c = ckpt.coordinates(f)
-    return " ".join(f"{label} {c[key]}" for key, label in (("stage", "stage"), ("tp_rank", "tp"), ("dp_rank", "dp"),
-                                                            ("ep_rank", "ep"), ("layer", "layer"), ("expert", "expert"))
-                    if c[key] is not None)
+def file_rows(ckpt) -> list[dict]:
+    """One row per file of the tag folder: name, kind, where in the mesh, bytes (of a checkpoint or its
+    :func:`ckptlib.describe` dict)."""
+    return [{"file": os.path.basename(f["path"]), "kind": f["kind"], "where": where(f), "dp_rank": f["dp_rank"],
+             "bytes": f["bytes"]} for f in _summary(ckpt)["files"]]
 
 
-def bytes_per_rank(ckpt: "ckptlib.Checkpoint") -> dict:
+def bytes_per_rank(ckpt) -> dict:
     """``{rank or "shared": {kind: bytes}}``: what each rank's files weigh (a rank named by its place in the
     mesh, ``"stage 1 dp 0"``, when there are stages or tensor ranks)."""
+    d = _summary(ckpt)
+    several = d["pp_world_size"] > 1 or d["tp_world_size"] > 1 or d["parallelism"] != "data_parallel"
     out: dict = {}
-    for f in ckpt.files:
-        c = ckpt.coordinates(f)
-        key = f.dp_rank if f.dp_rank is not None else "shared"
-        if len(ckpt.sets) > 1 and f.dp_rank is not None:
-            key = f"stage {c['stage']} dp {f.dp_rank}" if c["stage"] is not None else f"tp {c['tp_rank']} dp {f.dp_rank}"
+    for f in d["files"]:
+        key = f["dp_rank"] if f["dp_rank"] is not None else "shared"
+        if several and f["dp_rank"] is not None and (f["stage"] is not None or f["tp_rank"] is not None):
+            key = f"stage {f['stage']} dp {f['dp_rank']}" if f["stage"] is not None else \
+                f"tp {f['tp_rank']} dp {f['dp_rank']}"
         out.setdefault(key, {})
-        out[key][f.kind] = out[key].get(f.kind, 0) + f.bytes
+        out[key][f["kind"]] = out[key].get(f["kind"], 0) + f["bytes"]
     return out
 
 
-def file_sizes_figure(ckpt: "ckptlib.Checkpoint"):
+def file_sizes_figure(ckpt):
     """Bar chart: bytes per data-parallel rank, stacked by file kind (shared files in their own bar)."""
-    per = bytes_per_rank(ckpt)
+    d = _summary(ckpt)
+    per = bytes_per_rank(d)
     keys = sorted((k for k in per if k != "shared"), key=lambda k: natural_key(str(k))) + \
         (["shared"] if "shared" in per else [])
     kinds = sorted({k for v in per.values() for k in v}, key=lambda k: (k not in KIND_COLORS, k))
@@ -87,7 +90,7 @@ def file_sizes_figure(ckpt: "ckptlib.Checkpoint"):
     for x, total in enumerate(bottom):
         ax.annotate(f"{total:.1f}", (x, total), ha="center", va="bottom", fontsize=8)
     ax.set_ylabel(unit)
-    ax.set_title(f"{ckpt.location.tag}: {len(ckpt.files)} files, {human_bytes(ckpt.total_bytes)}", fontsize=10)
+    ax.set_title(f"{d['tag']}: {len(d['files'])} files, {human_bytes(d['total_bytes'])}", fontsize=10)
     ax.legend(fontsize=8, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=len(kinds))
     ax.margins(y=0.15)
     fig.tight_layout()
@@ -101,70 +104,70 @@ def _unit(n: float) -> tuple[float, str]:
     return 1.0, "bytes"
 
 
-def file_table_html(ckpt: "ckptlib.Checkpoint") -> str:
-    """The files as an HTML table (class ``ckpt-file-table``), with a total per rank and overall."""
+def file_table_html(ckpt) -> str:
+    """The files as an HTML table (class ``ckpt-file-table``), with a total per rank and overall: every line of
+    ``ckpt inspect``'s file list."""
+    d = _summary(ckpt)
     rows = []
-    for f in ckpt.files:
-        rows.append(f"<tr><td><code>{html.escape(f.path.name)}</code></td><td>{html.escape(f.kind)}</td>"
-                    f"<td>{html.escape(_where(ckpt, f))}</td><td style='text-align:right'>{human_bytes(f.bytes)}"
-                    f"</td></tr>")
-    per = bytes_per_rank(ckpt)
+    fragments = [f for f in d["files"] if f["kind"] == FRAGMENT]
+    for f in d["files"]:
+        if f["kind"] == FRAGMENT and len(fragments) > 200:
+            continue  # a large universal folder: the fragments summed in one line below
+        rows.append(f"<tr><td><code>{html.escape(f['path'])}</code></td><td>{html.escape(f['kind'])}</td>"
+                    f"<td>{html.escape(where(f))}</td><td style='text-align:right'>{human_bytes(f['bytes'])}</td></tr>")
+    if len(fragments) > 200:
+        rows.append(f"<tr><td colspan='4'>{html.escape(file_lines(d)[-1].strip())}</td></tr>")
+    per = bytes_per_rank(d)
     ranks = ", ".join(f"{'rank ' if isinstance(k, int) else ''}{k}: {human_bytes(sum(v.values()))}" for k, v in sorted(
         ((k, v) for k, v in per.items() if k != "shared"), key=lambda kv: natural_key(str(kv[0]))))
     return ("<table class='ckpt-file-table' style='border-collapse:collapse'>"
             "<thead><tr><th style='text-align:left'>file</th><th style='text-align:left'>kind</th>"
             "<th>where</th><th>size</th></tr></thead><tbody>" + "".join(rows) + "</tbody>"
-            f"<tfoot><tr><td colspan='3'><b>{len(ckpt.files)} files</b> ({html.escape(ranks)})</td>"
-            f"<td style='text-align:right'><b>{human_bytes(ckpt.total_bytes)}</b></td></tr></tfoot></table>")
+            f"<tfoot><tr><td colspan='3'><b>{len(d['files'])} files</b> ({html.escape(ranks)})</td>"
+            f"<td style='text-align:right'><b>{human_bytes(d['total_bytes'])}</b></td></tr></tfoot></table>")
 
 
-def summary_html(ckpt: "ckptlib.Checkpoint") -> str:
-    """Stage, dtype, world size, optimizer, parameter counts and where the checkpoint is."""
-    d = ckptlib.describe(ckpt)
-    loc = ckpt.location
-    flavor = {"zero": "", "bf16_optimizer": " (BF16_Optimizer)", "no_zero": " (no ZeRO partitioning)"}.get(
-        ckpt.flavor, "")
-    opt = ckpt.optimizer
-    items = [
-        ("checkpoint", f"<code>{html.escape(str(loc.save_dir))}</code>"),
-        ("tag", html.escape(loc.tag) + (f" (latest: {html.escape(loc.latest)})" if loc.latest else
-                                        " (no <code>latest</code> file)")),
-        ("ZeRO stage", f"{ckpt.zero_stage}{flavor}"),
-        ("dtype", str(ckpt.dtype)),
-        ("world size", f"dp={ckpt.mesh.dp} pp={ckpt.mesh.pp} tp={ckpt.mesh.tp} ep={ckpt.mesh.ep} "
-                       f"sp={ckpt.sequence_parallel}"),
-        ("parallel", html.escape(parallel_line(ckpt))),
-        ("DeepSpeed", html.escape(str(ckpt.deepspeed_version))),
-        ("optimizer", "-" if opt is None else html.escape(
-            f"{opt.wrapper}; state {', '.join(opt.state_keys) or '-'}; step {opt.step}")),
-        ("parameters", f"{len(ckpt.parameters)} tensors, {d['parameter_count']:,} elements "
-                       f"({d['trainable_count']:,} trainable)"),
-        ("buffers", str(len(ckpt.buffers))),
-        ("files", f"{len(ckpt.files)}, {human_bytes(ckpt.total_bytes)} "
-                  f"(read {human_bytes(ckpt.stats.bytes_read)} to learn this)"),
-    ]
-    body = "".join(f"<tr><th style='text-align:left;padding-right:1em'>{k}</th><td>{v}</td></tr>" for k, v in items)
-    notes = "".join(f"<li>{html.escape(n)}</li>" for n in ckpt.notes)
-    return f"<table class='ckpt-summary'>{body}</table>" + (f"<ul>{notes}</ul>" if notes else "")
+def summary_html(ckpt) -> str:
+    """Every row of ``ckpt inspect``'s summary (:func:`ckptlib.analysis.summary.summary_rows`) as a table (class
+    ``ckpt-summary``), then its notes, what cannot be read, the problems and hints (:func:`closing`): the same
+    facts as the command's text, from the same dict."""
+    d = _summary(ckpt)
+    body = "".join(f"<tr><th style='text-align:left;padding-right:1em;vertical-align:top'>{html.escape(k)}</th>"
+                   f"<td>{html.escape(v)}</td></tr>" for k, v in summary_rows(d))
+    colors = {"problem": "#b71c1c", "cannot read values": "#b71c1c", "hint": "#555", "ok": "#2e7d32", "read": "#777"}
+    ends = "".join(f"<li class='ckpt-summary-{kind.replace(' ', '-')}' style='color:{colors.get(kind, '#333')}'>"
+                   + ("" if kind in ("ok", "read") else f"<b>{html.escape(kind)}:</b> ") + f"{html.escape(text)}</li>"
+                   for kind, text in closing(d))
+    return (f"<table class='ckpt-summary'>{body}</table>"
+            f"<ul class='ckpt-summary-notes' style='margin-top:6px'>{ends}</ul>")
 
 
-def problems_html(ckpt: "ckptlib.Checkpoint") -> str:
-    if not ckpt.problems:
+def problems_html(ckpt) -> str:
+    """The problems ``ckpt inspect`` lists (what opening found, and every rank file that does not hold what its
+    name says), with the hint, or that there are none."""
+    d = _summary(ckpt)
+    problems = d["problems"]
+    if not problems:
         return "<div class='ckpt-problems ckpt-ok' style='color:#2e7d32'>&#10004; no problems found</div>"
-    items = "".join(f"<li>{html.escape(p)}</li>" for p in ckpt.problems)
-    return (f"<div class='ckpt-problems' style='color:#b71c1c'><b>{len(ckpt.problems)} problem(s) found:</b>"
-            f"<ul>{items}</ul>Values read from this checkpoint cannot be trusted until they are fixed.</div>")
+    items = "".join(f"<li>{html.escape(p)}</li>" for p in problems)
+    return (f"<div class='ckpt-problems' style='color:#b71c1c'><b>{len(problems)} problem(s) found:</b>"
+            f"<ul>{items}</ul>Values read from this checkpoint cannot be trusted until they are fixed."
+            + (f"<div style='color:#555'><b>hint:</b> {html.escape(d['repair_hint'])}</div>" if d["repair_hint"] else "")
+            + "</div>")
 
 
-def parameters_html(ckpt: "ckptlib.Checkpoint", limit: int = 200) -> str:
+def parameters_html(ckpt, limit: int = 200) -> str:
+    """The parameters and buffers as ``ckpt inspect`` lists them (name, shape, elements, kind), the first ``limit``."""
+    d = _summary(ckpt)
+    replicated = set(d["replicated"])
     rows = []
-    for p in ckpt.parameters[:limit]:
-        kind = f"tied to {p.tied_to}" if p.tied_to else ("trainable" if p.trainable else "frozen")
-        if p.trainable and p.group is not None and not p.tied_to:
-            kind += f" (group {p.group})"
-        rows.append(f"<tr><td><code>{html.escape(p.name)}</code></td><td>{list(p.shape)}</td>"
-                    f"<td style='text-align:right'>{p.numel:,}</td><td>{html.escape(kind)}</td></tr>")
-    more = f"<p>... and {len(ckpt.parameters) - limit} more</p>" if len(ckpt.parameters) > limit else ""
+    items = [(p["name"], p["shape"], f"{p['numel']:,}", parameter_kind(p, replicated)) for p in d["parameters"]]
+    items += [(b["name"], b["shape"], "", f"buffer {b['dtype']}" + (", replicated" if b["name"] in replicated else ""))
+              for b in d["buffers"]]
+    for name, shape, numel, kind in items[:limit]:
+        rows.append(f"<tr><td><code>{html.escape(name)}</code></td><td>{shape}</td>"
+                    f"<td style='text-align:right'>{numel}</td><td>{html.escape(kind)}</td></tr>")
+    more = f"<p>... and {len(items) - limit} more</p>" if len(items) > limit else ""
     return ("<table class='ckpt-param-table'><thead><tr><th style='text-align:left'>parameter</th><th>shape</th>"
             "<th>elements</th><th style='text-align:left'>kind</th></tr></thead><tbody>" + "".join(rows)
             + "</tbody></table>" + more)
