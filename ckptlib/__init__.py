@@ -43,7 +43,7 @@ _API = {
     ".errors": ("Cancelled", "CkptError", "IncompleteCheckpointError", "NotACheckpointError", "OutOfMemoryError",
                 "OutputError", "UnsafeCheckpointError", "UnsupportedCheckpointError"),
     ".export": ("ExportPlan", "ExportResult", "export", "plan_export"),
-    ".export.merge": ("MergeResult", "merge_adapter"),
+    ".export.merge": ("MergePlan", "MergeResult", "merge_adapter", "plan_merge"),
     ".mesh": ("Rank",),
     ".plan": ("Plan",),
     ".progress": ("Observer",),
@@ -90,7 +90,7 @@ sys.modules[__name__].__class__ = _Package
 
 __all__ = [
     "Checkpoint", "open_checkpoint", "describe", "Rank", "plan_export", "export", "ExportPlan", "ExportResult",
-    "merge_adapter", "MergeResult",
+    "merge_adapter", "MergeResult", "plan_merge", "MergePlan",
     "Observer", "Cancelled", "plan_reshard", "reshard", "ReshardPlan", "ReshardResult",
     "plan_universal", "write_universal", "UniversalPlan", "UniversalResult", "Plan", "run", "run_distributed",
     "RunResult", "verify", "Verification", "preflight", "Preflight", "verify_loaded", "LoadVerification",

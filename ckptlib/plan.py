@@ -3,7 +3,8 @@
 A plan names its source (:class:`SourceRef`: folders, a summary, and a stamp of every file, so a run
 can tell whether the checkpoint changed since), its output folder and the files to write:
 
-- :class:`WeightsFile` — a safetensors or torch file of named tensors (an export's shards);
+- :class:`WeightsFile` — a safetensors or torch file of named tensors (an export's shards; a merge's
+  :class:`MergedTensor` s among them);
 - :class:`TreeFile` — a torch file written from an object tree whose tensors are plain specs
   (:mod:`ckptlib.io.torchzip.specs`; a reshard's rank files, a universal checkpoint's fragments);
 - :class:`CopyFile` — a file copied as it is;
@@ -80,6 +81,52 @@ class PlannedTensor(Shaped):
     @property
     def read_bytes(self) -> int:
         return stored_bytes(self.ranges)
+
+
+@dataclass
+class Factor:
+    """A tensor a merged tensor is computed from, read whole (the checkpoint's fp32 master, ``source`` its name):
+    ``role`` ``"A"``, ``"B"`` (a LoRA module's factors, an embedding's too), ``"magnitude"`` (DoRA's),
+    ``"bias"`` (a trained bias, taking the base's place) or ``"lora_bias"`` (``lora_B``'s bias, added)."""
+
+    role: str
+    source: str
+    shape: tuple
+    ranges: tuple = field(default=(), repr=False)
+
+    @property
+    def read_bytes(self) -> int:
+        return stored_bytes(self.ranges)
+
+
+@dataclass
+class MergedTensor(Shaped):
+    """One output tensor of a merge (:func:`ckptlib.plan_merge`): a base model's tensor (``ranges``: where the base
+    file stores it) with a peft module's change merged into it, as peft's ``merge_and_unload()`` computes it:
+    ``how`` is ``"linear"`` (``W + scaling · B @ A``), ``"embedding"`` (``W + (scaling · B @ A)ᵀ``), ``"dora"``
+    (rescaled row by row to the magnitude) or ``"bias"`` (the trained bias, plus ``scaling · lora_B.bias``); the base
+    is rounded to ``merge_dtype`` first (``"float32"``: merged on the fp32 base) and the result is ``dtype``.
+    Plain data: the arithmetic runs when the file is written (:mod:`ckptlib.io.lora_merge`)."""
+
+    name: str
+    shape: tuple
+    dtype: str
+    how: str
+    merge_dtype: str
+    scaling: float
+    factors: tuple = ()
+    ranges: tuple = field(default=(), repr=False)
+    kind: str = "merged"
+    key: Optional[str] = None
+
+    def __post_init__(self):
+        if numel(self.ranges) != self.numel:
+            raise ValueError(f"merged tensor {self.name} of shape {list(self.shape)} has {self.numel} elements; its "
+                             f"base ranges hold {numel(self.ranges)}")
+
+    @property
+    def read_bytes(self) -> int:
+        return stored_bytes(self.ranges) + sum(f.read_bytes for f in self.factors)
 
 
 @dataclass
@@ -297,5 +344,5 @@ class Plan:
 
 
 __all__ = ["THREADS", "PROCESSES", "SourceRef", "RangeCheck", "PlannedTensor", "WeightsFile", "TreeFile", "CopyFile",
-           "DistcpFile", "BlobFile", "TextFile",
+           "DistcpFile", "BlobFile", "TextFile", "Factor", "MergedTensor",
            "Plan"]

@@ -87,6 +87,12 @@ def optim_fixtures() -> dict:
 
 
 @pytest.fixture(scope="session")
+def bf16_master_fixtures() -> dict:
+    """AdamW at ZeRO-1/2/3 with bf16 masters and moments (bf16_master_weights_and_grads; tests/fixtures/bf16_masters)."""
+    return _family("tests.fixtures.bf16_masters.factory")
+
+
+@pytest.fixture(scope="session")
 def peft_fixtures() -> dict:
     """LoRA / DoRA adapters trained through the HF Trainer + DeepSpeed (tests/fixtures/peft); skipped without peft."""
     pytest.importorskip("peft", reason="the peft fixtures train with peft (pip install peft==0.21.2)")

@@ -125,47 +125,6 @@ def test_notebook_runs_headless(notebook, fixture, fixture_by_name, executed_not
         assert "largest relative change" in text
 
 
-def test_notebook_03_exports_and_merges_a_peft_adapter(peft_fixtures, tmp_path):
-    """Notebook 03 with ``adapter_checkpoint_dir`` and ``adapter_base_dir`` set to a real Trainer + DeepSpeed peft run
-    (LoRA on q/v, ZeRO-3, tests/fixtures/peft): ``output/adapter`` is what ``PeftModel.from_pretrained`` loads with no
-    key warning, every tensor the live engine's fp32 master under peft's name; ``output/merged`` is peft's own
-    ``merge_and_unload()`` (base in bf16, as the run trained) bit for bit."""
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("peft")
-    import warnings
-
-    from peft import PeftModel
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
-
-    fx = peft_fixtures["peft_lora_qv_z3"]
-    out_dir, executed = tmp_path / "output", tmp_path / "03_export_weights.ipynb"
-    _execute("03_export_weights", ROOT / "samples" / "zero2_bf16_w2" / "ckpt", out_dir, executed,
-             adapter_checkpoint_dir=str(fx["checkpoint_path"]), adapter_base_dir=str(fx["base_path"]))
-    nb = nbformat.read(executed, as_version=4)
-    assert not [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
-    text = json.dumps([o for c in nb.cells for o in c.get("outputs", [])])
-    assert "a peft LoRA adapter (r=4, alpha=8): 8 tensors" in text and "merged 4 weights" in text
-    assert str(out_dir / "adapter" / "adapter_model.safetensors") in text
-
-    ref = torch.load(fx["reference_paths"][-1], weights_only=False)
-    assert load_file(out_dir / "adapter" / "adapter_model.safetensors").keys() == ref["peft_fp32"].keys()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(fx["base_path"]), out_dir / "adapter")
-    assert not [w for w in caught if "key" in str(w.message).lower()]
-    params = dict(model.named_parameters())
-    for name, master in ref["fp32"].items():
-        assert params[name].dtype == torch.float32 and torch.equal(params[name].detach(), master), name
-
-    base = AutoModelForCausalLM.from_pretrained(fx["base_path"], dtype=torch.bfloat16)
-    theirs = PeftModel.from_pretrained(base, out_dir / "adapter").merge_and_unload().state_dict()
-    mine = load_file(out_dir / "merged" / "model.safetensors")
-    assert mine.keys() == theirs.keys()
-    for k, v in mine.items():
-        assert v.dtype == torch.bfloat16 and torch.equal(v, theirs[k]), k
-
-
 @pytest.mark.parametrize("notebook", ["01_browse", "02_partition_layout"])
 def test_notebooks_browse_a_universal_checkpoint(fixture_by_name, tmp_path, notebook):
     """Issue 32: notebooks 01 and 02 open a universal folder: it is named as one, its files are listed, and the

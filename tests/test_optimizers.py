@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import ckptlib
+from ckptlib.analysis.tensordiff import ONLY_IN_A, ONLY_IN_B
 from ckptlib.io.torchzip import open_torch_file
 from ckptlib.io.torchzip.specs import NewTensor
 from ckptlib.io.torchzip.writer import save
@@ -455,6 +456,20 @@ def test_fsdp2_with_the_matching_torch_optimizers_loads_every_state_exactly_and_
     for g in loaded["groups"]:
         assert g["lr"] != 0.5  # the checkpoint's hyper-parameters replaced the script's
     assert math.isfinite(got["after_step"]["loss"])
+
+
+@pytest.mark.parametrize("name", DCP)
+def test_diff_of_the_checkpoint_and_its_dcp_export_pairs_torchs_state_keys(fsdp, optim_fixtures, name):
+    """Every state of the checkpoint pairs with the DCP folder's, under torch's key where torch names it otherwise
+    (CPU Adagrad's exp_avg_sq is torch Adagrad's sum), and all are the same: no 'only in A / only in B'."""
+    _, plans = fsdp
+    d = ckptlib.diff(optim_fixtures[name]["checkpoint_path"], plans[name].out, states=True)
+    assert d.ok and d.counts[ONLY_IN_A] == d.counts[ONLY_IN_B] == 0, d.summary()
+    states = {t.key.split("/")[0] for t in d.tensors if "/" in t.key} - {"step"}
+    family = ckptlib.open_checkpoint(optim_fixtures[name]["checkpoint_path"]).optimizer
+    assert states == {g.family.torch_key(k.name) for g in family.groups for k in g.keys}
+    if optim_fixtures[name]["optimizer"] == "cpu_adagrad":  # torch Adagrad's sum, said in the notes
+        assert states == {"sum"} and any("exp_avg_sq as sum" in n for n in d.plan.step_notes), d.plan.step_notes
 
 
 @pytest.mark.parametrize("name,why", NOT_DCP, ids=[n for n, _ in NOT_DCP])

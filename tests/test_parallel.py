@@ -279,4 +279,4 @@ def test_the_browser_and_layout_view_show_stages_and_tensor_ranks(pfx):
     name = "tied_modules.embed.weight" if pipeline else "fc2.weight"
     view.select(name)
     assert f"{who} 0" in view.where.value and f"{who} 1" in view.where.value  # held on both
-    assert bytes(view.figure.value).startswith(b"\x89PNG")
+    assert view.picture.png.startswith(b"\x89PNG") and view.picture.facts["highlight"] == name

@@ -16,6 +16,7 @@ import ckptlib  # noqa: E402
 from ckptlib import ui  # noqa: E402
 from ckptlib.system.memory import MemoryReport  # noqa: E402
 from ckptlib.ui import CheckpointBrowser, ExportWizard, LayoutView, MemoryMonitor, ReshardWizard  # noqa: E402
+from ckptlib.ui.pictures import facts_in_html  # noqa: E402
 from ckptlib.ui.common import WidgetObserver  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,14 +121,18 @@ def test_browser_reports_errors_of_a_user_callback():
 def test_layout_view_search_pick_and_where(fixture_by_name):
     fx = fixture_by_name("z3_bf16_w2")
     v = LayoutView(fx["checkpoint_path"])
-    assert bytes(v.figure.value).startswith(PNG)
+    assert v.picture.png.startswith(PNG) and "ckpt-picture-groups" in v.figure.value
     assert len(v.panels) >= 1
+    # the picture's facts are in the widget's model: each sub-group with the optimizer that steps it
+    (kind, facts), = facts_in_html(v.figure.value)
+    assert kind == "groups" and [(p["label"], p["optimizer"]) for p in facts["panels"]] == \
+        [("sub-group 0", "Adam/AdamW"), ("sub-group 1", "Adam/AdamW")] and facts["highlight"] is None
     v.search.value = "fc1"
     names = [n for _, n in v.param.options if n]
     assert names and all("fc1" in n for n in names)
-    before = bytes(v.figure.value)
+    before = v.figure.value
     v.param.value = "fc1.weight"
-    assert bytes(v.figure.value) != before                            # redrawn with the highlight
+    assert v.figure.value != before and facts_in_html(v.figure.value)[0][1]["highlight"] == "fc1.weight"
     assert v.where.value.count("<tr>") == 1 + 2                 # a chunk on each of the 2 ranks
     assert "fc1.weight" in v.where.value and "optim_states.pt" in v.where.value
     v.search.value = "no-such-parameter"
@@ -137,7 +142,7 @@ def test_layout_view_search_pick_and_where(fixture_by_name):
 
 def test_layout_view_switches_to_the_group_of_the_picked_parameter():
     v = LayoutView(SAMPLE)
-    groups = {i: p["params"] for i, p in enumerate(v.panels)}
+    groups = {i: p["parameters"] for i, p in enumerate(v.panels)}
     assert len(groups) == 2
     v.group.value = 1
     target = groups[0][0]
@@ -464,3 +469,58 @@ def test_reshard_wizard_plans_again_when_a_size_changes(tmp_path):
     assert w.plan is not None
     w.world_size.value = 4                                     # inside a box: still an option of the plan
     assert w.plan is None and w.run_button.disabled and "plan again" in w.plan_view.value
+
+
+def test_reshard_wizard_marks_the_fields_a_refusal_asks_for(parallel_fixtures, tmp_path):
+    """A refusal that names no option (its default hint: the whole description) asks for every pipeline field; a
+    plan made clears the marks. (ds_to_universal's folders, which ask for --pp-tied alone:
+    tests/test_notebook_refusals.py.)"""
+    w = ReshardWizard(parallel_fixtures[MESH]["checkpoint_path"], out=tmp_path / "rs", world_size=2)
+    w.pp.value = 3
+    w.plan_button.click()
+    assert "several pipelines" in w.errors.message.value
+    assert w.asked == ["pp_partition", "pp_layers", "pp_tied"]
+    assert all("ckpt-asked" in f._dom_classes for f in (w.pp_partition, w.pp_layers, w.pp_tied))
+    assert "pipeline split" in w.pipeline_asks.value and "--pp-tied" in w.pipeline_asks.value
+    w.pp_partition.value, w.pp_tied.value = "0,3,5,7", "embed:0,6"
+    w.plan_button.click()
+    assert w.plan is not None and w.asked == [] and w.pipeline_asks.value == ""
+    assert not any("ckpt-asked" in f._dom_classes or f.layout.border for f in (w.pp_partition, w.pp_layers, w.pp_tied))
+
+
+def test_a_notebook_cell_shows_a_refusal_as_the_cli_does(tmp_path, capsys, monkeypatch):
+    """``with refusals(...)``: one of ckptlib's errors is shown (the message and the hint ``ckpt`` prints, in a box)
+    and not raised; anything else (a bug) is raised and nothing is shown. ``fits`` shows a plan that does not fit as
+    a refusal."""
+    import dataclasses
+    import html
+
+    import IPython.display
+
+    from ckptlib.cli import main
+    from ckptlib.ui import fits, refusal_html, refusals
+
+    shown = []
+    monkeypatch.setattr(IPython.display, "display", lambda *objs, **kw: shown.extend(o.data for o in objs))
+    assert main(["reshard", str(SAMPLE), str(tmp_path / "cli"), "--world-size", "2", "--tp", "2"]) == 2
+    head, _, hint = capsys.readouterr().err.strip().partition("\n  hint: ")
+    message = head.removeprefix("ckpt reshard: error: ")
+    assert message != head and hint
+    with refusals("plan") as refused:
+        ckptlib.plan_reshard(SAMPLE, tmp_path / "rs", 2, tp=2)
+    assert isinstance(refused.error, ckptlib.UnsupportedCheckpointError) and refused
+    assert shown == [refusal_html(refused.error, "plan")]
+    box = shown[0]
+    assert box.startswith("<div class='ckpt-refusal' data-error='UnsupportedCheckpointError'")
+    assert "&#9888; plan: error" in box and f"white-space:pre-wrap'>{html.escape(message)}</div>" in box
+    assert f"<b>hint:</b> {html.escape(hint)}</div>" in box and not (tmp_path / "rs").exists()
+    with pytest.raises(ZeroDivisionError):
+        with refusals("a bug"):
+            1 / 0
+    with refusals() as refused:
+        plan = ckptlib.plan_reshard(SAMPLE, tmp_path / "rs", 3)
+    assert not refused and refused.error is None and len(shown) == 1
+    pre = ckptlib.preflight(plan)
+    assert pre.ok and fits(pre) and len(shown) == 1
+    assert not fits(dataclasses.replace(pre, disk_free=0)) and len(shown) == 2
+    assert "not enough memory or disk for this run (disk: does NOT fit" in shown[1] and "<b>hint:</b>" in shown[1]

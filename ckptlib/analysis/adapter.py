@@ -155,6 +155,111 @@ def adapter_rows(d: Optional[dict]) -> list[tuple[str, str]]:
     return rows
 
 
+def module_rows(ck: Checkpoint, base=None, adapter: Optional[Adapter] = None) -> list[dict]:
+    """One row per base tensor the adapter changes, in the checkpoint's order: ``module`` (its path in the base
+    model), ``tensor`` (the base tensor), ``method`` (the config's: LoRA, rsLoRA, DoRA, DoRA + rsLoRA; or
+    ``modules_to_save``, ``bias``), ``r``, ``alpha``, ``scaling`` (the module's own where ``rank_pattern`` /
+    ``alpha_pattern`` say, and ``patterns`` then names the keys), ``tensors`` (the adapter's tensors of it, with their
+    shapes), and how far it moved:
+
+    - ``delta_norm``: ``‖scaling · B @ A‖_F`` of a LoRA module, computed without forming ``B @ A``
+      (``‖B A‖²_F = Σ (BᵀB) ∘ (A Aᵀ)``, the two r × r Gram matrices in float64). For DoRA it is the change before
+      the magnitude rescale (DoRA then scales each row of ``W + ΔW`` to its trained magnitude). A trained
+      ``modules_to_save`` weight or bias: ``‖trained − base‖_F`` (needs ``base``); a bias that only gains
+      ``scaling · lora_B.bias``: that term's norm;
+    - with ``base`` (the base model's folder): ``base_norm`` (``‖W‖_F`` of the base tensor, streamed, float64) and
+      ``ratio`` (``delta_norm / base_norm``); else None.
+
+    Reads the adapter's factors whole (r × d each, and the biases) and, with ``base``, each base tensor concerned
+    (and a ``modules_to_save`` weight) streamed: memory is the largest factor in float64 and the comparer's buffers,
+    never a whole weight.
+
+    Raises:
+        CkptError: as :func:`~ckptlib.deepspeed.adapter.find_adapter` (no adapter, a config ckptlib cannot place);
+            a base without the tensor, or with another number of elements (named)."""
+    import math
+
+    import numpy as np
+
+    from ..io.lora_merge import base_files, base_headers, stored_ranges
+    from ..io.streaming import fill_bytes
+    from ..kinds import adapters as A
+    from ..layout.ranges import Zeros
+
+    adapter = adapter or find_adapter(ck, required=True)
+    c = adapter.config
+    held = None
+    if base is not None:
+        from pathlib import Path
+
+        held = {t.name: stored_ranges(f, t) for f, ts in base_headers(base_files(Path(base))[0]).items() for t in ts}
+    cmp = Comparer()
+    shapes = {p.name: tuple(p.shape) for p in ck.parameters}
+
+    def array(name: str):
+        out = np.empty(math.prod(shapes[name]), np.float32)
+        fill_bytes(ck.sources(name), "float32", cmp.files, memoryview(out).cast("B"))
+        return out.astype(np.float64).reshape(shapes[name])
+
+    def base_ranges(tensor: str, elements: int):
+        if held is None:
+            return None
+        got = held.get(tensor)
+        if got is None or got[0].count != elements:
+            raise CkptError(f"the base holds no {tensor} of {elements:,} elements, which the adapter trains", path=base,
+                            hint="give the base model the adapter was trained on")
+        return got
+
+    rows = []
+    try:
+        for tensor, parts in A.base_tensors(adapter.names).items():
+            module = tensor.rsplit(".", 1)[0]
+            r = alpha = scaling = None
+            patterns: dict = {}
+            if c is not None and ("lora_A" in parts or "lora_embedding_A" in parts or "lora_bias" in parts):
+                r, alpha, scaling = c.module_scaling(module)
+                patterns = c.module_patterns(module)
+            a_name, b_name = parts.get("lora_A") or parts.get("lora_embedding_A"), \
+                parts.get("lora_B") or parts.get("lora_embedding_B")
+            ranges = base_ranges(tensor, shapes[b_name][0] * shapes[a_name][1] if a_name else
+                                 math.prod(shapes[parts.get("whole") or parts.get("bias") or parts["lora_bias"]]))
+            if "whole" in parts or ("bias" in parts and "lora_A" not in parts):
+                method = A.MODULES_TO_SAVE if "whole" in parts else "bias"
+            else:
+                method = c.method if c is not None else f"no {A.CONFIG_FILE}"
+            delta = None
+            if a_name:
+                a, b = array(a_name), array(b_name)
+                if scaling is not None:
+                    delta = abs(scaling) * math.sqrt(max(0.0, float(np.sum((b.T @ b) * (a @ a.T)))))
+            elif "whole" in parts and ranges is not None:
+                delta = math.sqrt(cmp.difference(ck.sources(parts["whole"]), ranges).sumsq_diff)
+            elif "bias" in parts or "lora_bias" in parts:
+                extra = array(parts["lora_bias"]) * scaling if "lora_bias" in parts and scaling is not None else 0.0
+                if "bias" in parts and ranges is not None:
+                    now = np.empty(math.prod(shapes[parts["bias"]]), np.float32)
+                    fill_bytes(ranges, "float32", cmp.files, memoryview(now).cast("B"))
+                    delta = float(np.linalg.norm(array(parts["bias"]) + extra - now.astype(np.float64)))
+                elif "bias" not in parts:
+                    delta = float(np.linalg.norm(extra))
+            norm = math.sqrt(cmp.difference(ranges, (Zeros(sum(x.count for x in ranges)),)).sumsq_diff) \
+                if ranges is not None else None
+            rows.append({"module": module, "tensor": tensor, "method": method, "r": r, "alpha": alpha,
+                         "scaling": scaling, "patterns": patterns,
+                         "tensors": [_part_label(p, shapes[n]) for p, n in parts.items()],
+                         "delta_norm": delta, "base_norm": norm,
+                         "ratio": delta / norm if delta is not None and norm else None})
+    finally:
+        cmp.close()
+    return rows
+
+
+def _part_label(part: str, shape: tuple) -> str:
+    """``lora_A [4, 64]``: one of a module's tensors, with its shape."""
+    label = {"lora_bias": "lora_B.bias", "lora_magnitude_vector": "magnitude", "whole": "weight"}.get(part, part)
+    return f"{label} {list(shape)}"
+
+
 def pair_adapter_names(sa, sb) -> tuple:
     """``(sa, sb, notes)``: when one side is a checkpoint that trains a peft adapter and the other holds tensors under
     peft's saved names (an ``--adapter`` export, the Trainer's ``adapter_model.safetensors``) and none under
@@ -207,4 +312,5 @@ def pair_adapter_names(sa, sb) -> tuple:
     return sa, sb, first
 
 
-__all__ = ["pair_adapter_names", "check_weights_file", "describe_adapter", "adapter_rows", "EMPTY", "SAME", "COPY16", "DIFFERENT", "NAMES"]
+__all__ = ["pair_adapter_names", "check_weights_file", "describe_adapter", "adapter_rows", "module_rows", "EMPTY", "SAME",
+           "COPY16", "DIFFERENT", "NAMES"]

@@ -23,9 +23,10 @@ from ..kinds.optimizers import WHOLE_PARAMS
 
 
 def masters(ckpt: Checkpoint) -> Optional[dict]:
-    """``{"dtype", "text"}``: the dtype the optimizer's master weights are stored in (each trainable parameter's
-    master, as the files hold it), and what that means for an export; None where there is no trainable parameter or
-    the values cannot be read. Metadata only."""
+    """``{"dtype", "text", "states"}``: the dtype the optimizer's master weights are stored in (each trainable
+    parameter's master, as the files hold it), what that means for an export, and the dtype of each per-element state
+    key (``{key: dtype}``; DeepSpeed's ``bf16_optimizer_states`` keeps the moments in bf16 beside bf16 masters); None
+    where there is no trainable parameter or the values cannot be read. Metadata only."""
     dtypes: dict = {}
     try:
         for p in ckpt.parameters:
@@ -37,21 +38,26 @@ def masters(ckpt: Checkpoint) -> Optional[dict]:
         return None
     if not dtypes:
         return None
+    opt = ckpt.optimizer
+    states = {k.name: k.dtype for g in (opt.groups if opt else ()) for k in g.keys}
     if list(dtypes) == ["float32"]:
-        return {"dtype": "float32", "text": "fp32"}
+        return {"dtype": "float32", "text": "fp32", "states": states}
     names = ", ".join(_short(d) for d in dtypes)
-    if set(dtypes) <= {"bfloat16", "float16"}:
-        d = next(iter(dtypes)) if len(dtypes) == 1 else None
-        short = _short(d) if d else names
-        cfg = ckpt.ds_config.get("bf16") or {} if isinstance(ckpt.ds_config, dict) else {}
-        said = ", ".join(k for k in ("bf16_master_weights_and_grads", "bf16_optimizer_states") if cfg.get(k))
-        text = (f"{short}: the optimizer's master weights themselves are {short}"
-                + (f" ({said} in the run's config)" if said else "")
-                + f"; an fp32 export is each {short} master widened, exactly (no bit is lost), and --dtype {short} "
-                  "writes them as they are")
-        return {"dtype": d or names, "text": text}
+    if len(dtypes) == 1 and set(dtypes) <= {"bfloat16", "float16"}:
+        d = next(iter(dtypes))
+        short = _short(d)
+        section = ckpt.ds_config.get(short) if isinstance(ckpt.ds_config, dict) else None
+        said = (lambda key: f" ({key})" if isinstance(section, dict) and section.get(key) else "")
+        same = [k for k, dt in states.items() if dt == d]
+        other = [f"{k} ({_short(dt)})" for k, dt in states.items() if dt != d]
+        text = (f"{short}: the optimizer's master weights themselves are {short}{said(short + '_master_weights_and_grads')}"
+                + (f", and so are its {', '.join(same)}{said(short + '_optimizer_states')}" if same else "")
+                + (f"; its {', '.join(other)}" if other else "")
+                + f"; an fp32 export is the {short} masters widened, exactly (no bit is lost), and --dtype {short} "
+                  "writes them as stored: nothing rounded")
+        return {"dtype": d, "text": text, "states": states}
     return {"dtype": names, "text": f"{names}: the masters of some parameters are stored in another dtype than "
-                                    "others; every value is read as stored and exported exactly"}
+                                    "others; every value is read as stored and exported exactly", "states": states}
 
 
 def _short(dtype: str) -> str:
@@ -143,7 +149,8 @@ def universal(ckpt: Checkpoint) -> Optional[dict]:
         if p.trainable:
             frags = main.fragments.get(p.name, {})
             params.append({"name": p.name, "shape": list(p.shape),
-                           "states": {("fp32" if k is None else k): frag.info.relpath for k, frag in frags.items()},
+                           "states": {("fp32" if k is None else k): frag.info.relpath for k, frag in frags.items()
+                                      if hasattr(frag, "info")},
                            "step": u.steps.get(p.name)})
         else:
             frozen.append({"name": p.name, "shape": list(p.shape), "file": rel(main.value_file(p.name))})

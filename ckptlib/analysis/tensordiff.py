@@ -31,7 +31,7 @@ from ..units import human_bytes
 from .adapter import pair_adapter_names
 from .compare import Comparer
 from .scan import json_ready, num, progress_to, scan_peak_bytes
-from .tensorsets import NamedTensor, TensorSet, open_tensor_set
+from .tensorsets import DCP, NamedTensor, TensorSet, open_tensor_set
 
 SAME, CHANGED, ONLY_IN_A, ONLY_IN_B, SHAPE_CHANGED = "same", "changed", "only_in_a", "only_in_b", "shape_changed"
 STATUSES = (SAME, CHANGED, ONLY_IN_A, ONLY_IN_B, SHAPE_CHANGED)
@@ -228,11 +228,33 @@ def plan_diff(a: Union[TensorSet, str, os.PathLike, Any], b: Union[TensorSet, st
     sa = open_tensor_set(a, tag=tag_a, states=states, tp_rules=tp_rules)
     sb = open_tensor_set(b, tag=tag_b, states=states, tp_rules=tp_rules)
     sa, sb, pair_notes = pair_adapter_names(sa, sb)  # a peft adapter's DeepSpeed names beside peft's
+    sa, sb, torch_notes = _pair_torch_keys(sa, sb)    # a checkpoint's state keys beside a DCP folder's torch keys
+    pair_notes += torch_notes
     items = [DiffItem(k, t, sb.tensors.get(k)) for k, t in sa.tensors.items()]
     items += [DiffItem(k, None, t) for k, t in sb.tensors.items() if k not in sa.tensors]
     steps, step_notes = _step_pairs(sa, sb) if states else ([], [])
     return DiffPlan(a=sa, b=sb, items=items, atol=float(atol), rtol=float(rtol), states=states,
                     chunk_bytes=chunk_bytes, steps=steps, step_notes=pair_notes + step_notes)
+
+
+def _pair_torch_keys(sa: TensorSet, sb: TensorSet) -> tuple:
+    """``(sa, sb, notes)``: beside a DCP folder (which holds each state under torch's key), a checkpoint's states that
+    torch keeps under another key renamed to it (CPU Adagrad's ``exp_avg_sq/<name>`` as ``sum/<name>``), so that they
+    pair; else both as given."""
+    import dataclasses
+
+    for x, y, label in ((sa, sb, "A"), (sb, sa, "B")):
+        if not x.torch_keys or y.kind != DCP:
+            continue
+        renamed = {k: f"{key}/{x.tensors[k].name}" for k, key in x.torch_keys.items() if k in x.tensors}
+        tensors = {renamed.get(k, k): (dataclasses.replace(t, key=renamed[k], state=x.torch_keys[k])
+                                       if k in renamed else t) for k, t in x.tensors.items()}
+        new = dataclasses.replace(x, tensors=tensors, torch_keys={})
+        pairs = sorted({f"{k.split('/', 1)[0]} as {v}" for k, v in x.torch_keys.items()})
+        notes = [f"{label}'s optimizer states named as torch's optimizer keeps them, as in the DCP folder: "
+                 f"{', '.join(pairs)} ({len(renamed)} tensors)"]
+        return (new, y, notes) if label == "A" else (y, new, notes)
+    return sa, sb, []
 
 
 def _step_pairs(sa: TensorSet, sb: TensorSet) -> tuple[list, list]:

@@ -75,6 +75,9 @@ class TensorSet:
     notes: list = field(default_factory=list)
     #: with states: each trainable parameter's optimizer step, by name (None: the set records no step)
     steps: Optional[dict] = None
+    #: a checkpoint's states whose torch optimizer keeps them under another key: ``{"<key>/<name>": torch's key}``
+    #: (DeepSpeed's CPU Adagrad ``exp_avg_sq`` is torch Adagrad's ``sum``); a DCP folder holds torch's names
+    torch_keys: dict = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -121,6 +124,19 @@ def checkpoint_tensors(ck: Checkpoint, states: bool = False, notes: Optional[lis
                     ranges = tuple(ck.sources(p.name, key))
                     out[f"{key}/{p.name}"] = NamedTensor(f"{key}/{p.name}", ranges[0].dtype if ranges else "float32",
                                                          tuple(p.shape), ranges, key)
+    return out
+
+
+def _torch_keys(ck: Checkpoint, tensors: dict) -> dict:
+    """``{"<key>/<name>": torch's key}`` of the states in ``tensors`` that torch's optimizer of their group's family
+    names otherwise (:meth:`~ckptlib.kinds.optimizers.Family.torch_key`)."""
+    out = {}
+    for k, t in tensors.items():
+        if t.state:
+            gs = ck.state_group(t.name)
+            theirs = gs.family.torch_key(t.state) if gs is not None else t.state
+            if theirs != t.state:
+                out[k] = theirs
     return out
 
 
@@ -270,7 +286,7 @@ def open_tensor_set(source: Union[str, os.PathLike, Checkpoint, TensorSet], tag:
         return TensorSet(kind, os.fspath(source.location.tag_dir), f"{kind} checkpoint {source.location.tag_dir}"
                          if kind == UNIVERSAL else f"checkpoint {source.location.tag_dir}",
                          tensors, tuple(stamp(os.fspath(f.path)) for f in source.files), notes,
-                         checkpoint_steps(source) if states else None)
+                         checkpoint_steps(source) if states else None, _torch_keys(source, tensors))
     steps: Optional[dict] = {} if states else None
     path = Path(source).expanduser()
     if not path.exists():

@@ -360,6 +360,13 @@ def _verify_universal(plan, src: Checkpoint, out: Path, cmp: Comparer, share: Sh
     return checks
 
 
+def _verify_merge(plan, src: Checkpoint, out: Path, cmp: Comparer, share: Share) -> list[Check]:
+    """A peft adapter merged into its base: :func:`ckptlib.analysis.merge_check.merge_tallies`."""
+    from .merge_check import merge_tallies  # torch, only for a merge
+
+    return [_tally(what, total, bad) for what, total, bad in merge_tallies(plan, src, out, cmp, share)]
+
+
 # ============================================================================================ entry points
 def verify(plan: Plan, out: Optional[os.PathLike] = None, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
            progress: Callable[[int], None] = lambda n: None, cancel=None, share: Optional[Share] = None) -> Verification:
@@ -373,7 +380,8 @@ def verify(plan: Plan, out: Optional[os.PathLike] = None, *, chunk_bytes: int = 
     """
     out = Path(out if out is not None else plan.out)
     result = Verification(out=out)
-    do = {"export": _verify_export, "reshard": _verify_reshard, "universal": _verify_universal}.get(plan.action)
+    do = {"export": _verify_export, "reshard": _verify_reshard, "universal": _verify_universal,
+          "merge": _verify_merge}.get(plan.action)
     if getattr(plan, "format", None) == "dcp":
         do = _verify_dcp
     if do is None:

@@ -131,18 +131,36 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _merge(args: argparse.Namespace, states: list) -> int:
-    from ..export.merge import merge_adapter
+    """``--merge --base BASE``: a merge plan (:func:`ckptlib.plan_merge`), shown (``--plan``) or run by the one
+    runner, then how far the two ``--merge-on`` modes lie apart, then (``--verify``) the output re-read."""
+    from ..export.merge import plan_merge, run_merge
+    from ..progress import TqdmObserver
 
-    other = [o for o, on in (("--states", states), ("--plan", args.plan), ("--distributed", args.distributed),
-                             ("--format " + args.format, args.format != "safetensors"), ("--verify", args.verify),
-                             ("--dtype", args.dtype != "fp32"), ("--no-adapter", args.adapter is False)) if on]
+    other = [o for o, on in (("--states", states), ("--distributed", args.distributed),
+                             ("--format " + args.format, args.format != "safetensors"), ("--dtype", args.dtype != "fp32"),
+                             ("--no-adapter", args.adapter is False), ("--workers", args.workers != 1),
+                             ("--max-shard-size", args.max_shard_size != "5GB"), ("--exclude-frozen", args.exclude_frozen),
+                             ("--model-config", args.model_config), ("--no-hf-files", not args.hf_files),
+                             ("--verify-crc", args.verify_crc)) if on]
     if other:
-        raise CkptError(f"--merge writes the merged model alone, in the dtype --merge-on says: not with {', '.join(other)}")
-    result = merge_adapter(args.path, args.out, args.base, merge_on=args.merge_on, tag=args.tag,
-                           adapter_config=args.adapter_config, overwrite=args.overwrite)
+        raise CkptError(f"--merge writes the merged model alone, in the base's files and the dtype --merge-on says: "
+                        f"not with {', '.join(other)}")
+    plan = plan_merge(args.path, args.out, args.base, merge_on=args.merge_on, tag=args.tag,
+                      adapter_config=args.adapter_config, overwrite=args.overwrite, sync=args.sync)
+    if args.plan:
+        _say(json.dumps(plan.to_dict(), indent=2) if args.json else plan.describe())
+        return 0
+    result = run_merge(plan, observer=None if args.quiet else TqdmObserver("merge"))
     if not args.quiet:
         _say(result.describe())
-    return 0
+    if not args.verify:
+        return 0
+    from ..analysis.verify import verify
+
+    checked = verify(plan, result.out)
+    if not args.quiet or not checked.ok:
+        _say(checked.describe())
+    return 0 if checked.ok else 1
 
 
 def _cmd_reshard(args: argparse.Namespace) -> int:
@@ -275,7 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--merge", action="store_true",
                    help="a peft adapter merged into its base model (--base): the base's safetensors with every "
                         "targeted weight W + scaling * B @ A (DoRA rescaled) from the fp32 masters and modules_to_save "
-                        "replaced, which from_pretrained(OUT) loads; streamed tensor by tensor; needs torch")
+                        "replaced, which from_pretrained(OUT) loads; streamed tensor by tensor; needs torch; takes "
+                        "--plan and --verify (merged weights against a recomputation, the rest against the base)")
     p.add_argument("--base", metavar="BASE", help="with --merge: the base model's local folder (save_pretrained's)")
     p.add_argument("--merge-on", choices=["base-dtype", "fp32"], default="base-dtype",
                    help="base-dtype (default): merge on the base rounded to the dtype the run trained against and "

@@ -24,6 +24,7 @@ from ..mesh import Rank
 from ..plan import SourceRef
 from ..system.gcpause import gc_paused
 from .autoep import hf_view
+from . import files as fnames
 from .discovery import Location, locate, repair_hint
 from .fileset import OpenedFiles
 from .join import PIPELINE, RULES_HINT, join
@@ -91,7 +92,7 @@ class Checkpoint:
         for zs in self.sets.values():
             for h in zs.records.index.module.values():
                 path = getattr(getattr(getattr(h, "storage", None), "file", None), "path", None)
-                if path is not None and "layer_" in os.path.basename(path):
+                if path is not None and fnames.classify(os.path.basename(path)).kind == fnames.LAYER_STATES:
                     self.layer_stages.setdefault(path, zs.coordinate.pp)
         self.view: Optional[ModelView] = joined.view
         if self.view is not None:
@@ -214,11 +215,25 @@ class Checkpoint:
         elif f.kind == "layer_states":
             stage, tp_rank = self.layer_stages.get(os.fspath(f.path)), f.mp_rank
         moe = self.num_experts is not None and f.kind in ("optim_states", "expert_optim_states")
+        ep_rank = (f.dp_rank % self.mesh.ep if f.kind == "optim_states" else f.dp_rank) if moe else None
+        if f.kind == "expert_states" and f.expert is not None:  # an expert's file: the ep rank holding the expert
+            local = self._local_experts(f.layer or 0)
+            ep_rank = f.expert // local if local else None
         return {"stage": stage if self.mesh.pp > 1 or self.kind == PIPELINE else None,
                 "tp_rank": tp_rank if self.mesh.tp > 1 else None,
                 "dp_rank": f.dp_rank if f.kind != "expert_optim_states" else None,
-                "ep_rank": (f.dp_rank % self.mesh.ep if f.kind == "optim_states" else f.dp_rank) if moe else None,
-                "expert": f.expert, "layer": f.layer}
+                "ep_rank": ep_rank, "expert": f.expert, "layer": f.layer}
+
+    def _local_experts(self, layer: int) -> Optional[int]:
+        """Experts per expert-parallel rank in MoE layer ``layer`` (AutoEP records it; DeepSpeed-MoE: the layer's
+        experts over the ep size), or None where not known."""
+        for lay in self.records.autoep_layers:
+            if lay.layer == layer:
+                return lay.num_local
+        counts = self.num_experts
+        if counts and layer < len(counts) and self.mesh.ep and counts[layer] % self.mesh.ep == 0:
+            return counts[layer] // self.mesh.ep
+        return None
 
     def set_label(self, mp: int) -> str:
         """How a ZeRO set is named for the user: ``"stage 1, tensor rank 0"``, ``"stage 1"``, ``"tensor rank 1"``

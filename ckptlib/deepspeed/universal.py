@@ -381,7 +381,10 @@ def join_universal(fs: OpenedFiles, notes: list, problems: list):
             uinfo.step_conflicts.append(f"the steps of group {g}'s parameters disagree: " + ", ".join(
                 f"{p.name} {steps[p.name]:g}" for p in members if p.name in steps))
         step = next(iter(values)) if len(values) == 1 else None
-        groups.append(GroupStates(group=g, family=identify(keys, hyper), keys=tuple(StateKey(k) for k in keys),
+        stored = {k: next((f.handle.dtype_name for f in (fragments.get(p.name, {}).get(k) for p in members)
+                           if hasattr(f, "handle")), "float32") for k in keys}  # bf16 under bf16_optimizer_states
+        groups.append(GroupStates(group=g, family=identify(keys, hyper),
+                                  keys=tuple(StateKey(k, dtype=stored[k]) for k in keys),
                                   step=int(step) if step is not None else None, name=hyper.get("name")))
         all_keys += [k for k in keys if k not in all_keys]
     optimizer = OptimizerInfo(

@@ -2,7 +2,8 @@
 
 A *unit* is the smallest piece of a plan that can be written on its own: one tensor of a safetensors
 file (its offset is known from the header), one item of a DCP ``.distcp`` file (its offset is fixed by
-the plan), or one whole torch, copied or small binary file. Writers read the
+the plan), or one whole torch, copied or small binary file. A merge's :class:`~ckptlib.plan.MergedTensor`
+is computed whole (:mod:`ckptlib.io.lora_merge`) and then written. Writers read the
 plan's source ranges through a :class:`~ckptlib.io.sources.SourceFiles` and stream them through the
 calling thread's buffers (:class:`WriteContext`).
 """
@@ -25,7 +26,7 @@ from ..io.torchzip.specs import NewTensor
 from ..io.torchzip.trees import walk_tensors
 from ..io.torchzip.writer import save as torch_save
 from ..layout.ranges import StoredRange
-from ..plan import BlobFile, CopyFile, DistcpFile, Plan, TextFile, TreeFile, WeightsFile
+from ..plan import BlobFile, CopyFile, DistcpFile, MergedTensor, Plan, TextFile, TreeFile, WeightsFile
 from ..progress import Observer, check_cancel
 from ..system.memory import system_memory
 
@@ -202,6 +203,8 @@ def write_unit(plan: Plan, unit: Unit, tmp: Path, ctx: WriteContext) -> None:
     if isinstance(f, WeightsFile) and f.format == "safetensors":
         _write_safetensors(f, [unit.tensor] if unit.tensor is not None else range(len(f.tensors)), path, ctx)
     elif isinstance(f, WeightsFile):
+        if any(isinstance(t, MergedTensor) for t in f.tensors):
+            raise TypeError(f"{f.name}: a merged tensor is written in safetensors only")
         for t in f.tensors:
             ctx.observer.on_tensor(t.name)
         tree = collections.OrderedDict((t.name, NewTensor(t.dtype, t.shape, t.ranges)) for t in f.tensors)
@@ -235,6 +238,12 @@ def _write_safetensors(f: WeightsFile, which, path: Path, ctx: WriteContext) -> 
             t = f.tensors[i]
             ctx.observer.on_tensor(t.name)
             sink = PwriteSink(fd, layout.tensor_offset(t.name), behind=behind)
+            if isinstance(t, MergedTensor):  # an adapter merged into its base: computed, then written
+                from ..io.lora_merge import write_merged  # torch, only for a merge
+
+                check_cancel(ctx.cancel)
+                write_merged(t, sink, ctx.files, ctx.progress)
+                continue
             copy_ranges(t.ranges, t.dtype, sink, ctx.bufs, ctx.files, ctx.progress, ctx.cancel)
         behind.close()
     finally:

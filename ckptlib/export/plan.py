@@ -9,10 +9,11 @@ import os
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
+from ..analysis.placement import masters
 from ..dcp import is_dcp
 from ..deepspeed import Checkpoint, hf, open_checkpoint
 from ..deepspeed.exactness import require_exact, value_proofs
-from ..dtypes import BY_SHORT, OUTPUT_DTYPES
+from ..dtypes import BY_SHORT, OUTPUT_DTYPES, is_floating
 from ..errors import CkptError
 from ..io.crc import entries_touching
 from ..kinds.adapters import looks_like_adapter
@@ -23,7 +24,7 @@ from ..system.gcpause import gc_paused
 from ..units import parse_size
 from .adapter import adapter_sets
 from .hf_layout import ModelConfig, in_hf_layout
-from .weights import ExportPlan, model_tensors, weights_files
+from .weights import ExportPlan, masters_notes, model_tensors, weights_files
 
 FORMATS = ("safetensors", "torch", "dcp")
 
@@ -103,6 +104,9 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
                          overwrite=overwrite, chunk_bytes=chunk_bytes, sync=sync, exclude_frozen=exclude_frozen,
                          verify_crc=verify_crc, **(dcp or {}))
         plan.notes[:0] = layout_notes
+        optimizer = bool((dcp or {}).get("optimizer") or states)
+        plan.notes += _masters_notes(ck, dtype, list(ck.optimizer.state_keys) if optimizer and ck.optimizer else [],
+                                     optimizer)
         return plan
     if dcp:
         raise CkptError("layout and optimizer options are for --format dcp")
@@ -121,6 +125,7 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
                             f"master for them): exported from the {ck.dtype} module weights")
     out_dtype = BY_SHORT[dtype].name
     states = requested_states(ck, states)
+    warnings += _masters_notes(ck, dtype, states)
     peft = adapter_sets(ck, out_dtype, states, adapter, adapter_config) \
         if adapter or (adapter is None and format == "safetensors" and not layout_files) else None
     if peft is not None:
@@ -153,6 +158,21 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
                       overwrite=overwrite, sync=sync,
                       notes=warnings + [n for n in ck.view.notes if ck.kind != "data_parallel"] + side_notes,
                       checks=checks, crc=crc)
+
+
+def _masters_notes(ck: Checkpoint, dtype: str, states: Sequence[str], optimizer: bool = False) -> list[str]:
+    """The notes of an export at ``dtype`` (with the optimizer ``states``) of a checkpoint whose optimizer keeps its
+    masters in 16 bits (:func:`~.weights.masters_notes`); [] for fp32 masters. Metadata only."""
+    m = masters(ck)
+    if m is None or m["dtype"] not in ("bfloat16", "float16"):
+        return []
+    short = "bf16" if m["dtype"] == "bfloat16" else "fp16"
+    section = ck.ds_config.get(short) if isinstance(ck.ds_config, dict) else None
+    key = short + "_master_weights_and_grads"
+    why = key if isinstance(section, dict) and section.get(key) else ""
+    out = BY_SHORT[dtype].name
+    rounded = [b.name for b in ck.buffers if is_floating(b.dtype) and b.dtype != out] if dtype != "fp32" else []
+    return masters_notes(m, dtype, why, {k: m["states"].get(k) for k in states}, rounded, optimizer)
 
 
 def _model_sets(ck: Checkpoint, out_dtype: str, exclude_frozen: bool, states: Sequence[str]) -> list:

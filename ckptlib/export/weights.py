@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Optional
 
-from ..dtypes import is_floating
+from ..dtypes import BY_NAME, is_floating
 from ..io.stformat import SafetensorsLayout, TensorSpec
 from ..io.torchzip.specs import NewTensor
 from ..io.torchzip.writer import file_size
@@ -165,6 +165,42 @@ def model_tensors(ck, out_dtype: str, exclude_frozen: bool = False, sources=None
     return out
 
 
+def masters_notes(masters: Optional[dict], dtype: str, why: str = "", states: Optional[dict] = None,
+                  rounded_buffers=(), optimizer: bool = False) -> list[str]:
+    """What an export writes of masters the optimizer keeps in 16 bits (DeepSpeed's ``bf16_master_weights_and_grads``;
+    ``masters``: :func:`ckptlib.analysis.placement.masters`) at output ``dtype`` (``fp32``/``bf16``/``fp16``): the
+    masters widened exactly, as stored, or converted. ``why``: the config key that says so (or ""); ``states``:
+    ``{state key written: its stored dtype}``, each 16-bit one said to be widened to the fp32 it is written in;
+    ``rounded_buffers``: floating buffers stored wider than ``dtype``, which ``dtype`` rounds; ``optimizer``: a DCP
+    export's optimizer state, and the dtype torch's optimizer then holds it in. [] for fp32 masters."""
+    stored = (masters or {}).get("dtype")
+    if stored not in ("bfloat16", "float16"):
+        return []
+    short = BY_NAME[stored].short
+    head = f"the optimizer keeps its masters in {short}{f' ({why})' if why else ''}: the weights written are "
+    if dtype == "fp32":
+        notes = [head + f"the {short} masters widened to fp32, exactly (--dtype {short} writes the same values in "
+                        "half the bytes)"]
+    elif dtype == short:
+        notes = [head + "the masters as stored: nothing rounded"
+                 + (f" (the floating buffer{'s' if len(rounded_buffers) > 1 else ''} {', '.join(rounded_buffers)}, "
+                    f"stored in another dtype, {'are' if len(rounded_buffers) > 1 else 'is'} rounded to {dtype} as "
+                    f"--dtype {dtype} asks)" if rounded_buffers else "")]
+    else:
+        notes = [head + f"the {short} masters converted to {dtype}, as torch's .to() converts them"
+                 + (": exact for magnitudes from 2**-17 to 65504, possibly rounded below, inf above" if dtype == "fp16" else "")
+                 + f"; --dtype {short} writes them as stored"]
+    half = [k for k, dt in (states or {}).items() if dt in ("bfloat16", "float16")]
+    if half:
+        names = ", ".join(half)
+        notes.append(f"the optimizer states {names} are stored in {short} and written in fp32 (as every state"
+                     + (" of a DCP export" if optimizer else " of an export") + "), widened exactly"
+                     + ("; torch's optimizer holds its state in its parameters' dtype (Optimizer.load_state_dict "
+                        f"casts floating state to it): fp32 parameters keep the widened values, {short} parameters "
+                        f"(--dtype {short}) get back the {short} values stored, exactly" if optimizer else ""))
+    return notes
+
+
 def weights_files(sets: list, format: str, limit: int, step: Optional[int] = None) -> tuple[list, list, dict]:
     """The files of an export: for each ``(prefix, tensors)`` of ``sets`` (the weights under ``""``, then an
     optimizer state's tensors under its ``key/``), its shards of at most ``limit`` bytes as
@@ -191,4 +227,4 @@ def weights_files(sets: list, format: str, limit: int, step: Optional[int] = Non
 
 
 __all__ = ["ExportPlan", "shard_tensors", "file_names", "index_json", "weights_file_size", "model_tensors",
-           "weights_files"]
+           "weights_files", "masters_notes"]

@@ -107,6 +107,16 @@ class AdapterConfig:
         alpha = float(_pattern_value(self.alpha_pattern, module, self.alpha))
         return r, alpha, alpha / (math.sqrt(r) if self.use_rslora else r)
 
+    def module_patterns(self, module: str) -> dict[str, str]:
+        """``{"rank_pattern": key, "alpha_pattern": key}``: the pattern keys that give ``module`` its own r or alpha
+        (as :meth:`module_scaling` matches them; none: the config's ``r`` and ``lora_alpha``)."""
+        out = {}
+        for label, pattern in (("rank_pattern", self.rank_pattern), ("alpha_pattern", self.alpha_pattern)):
+            key = _pattern_key(pattern, module)
+            if key is not None:
+                out[label] = key
+        return out
+
     def describe(self) -> str:
         targets = self.target_modules if isinstance(self.target_modules, str) else ", ".join(self.target_modules)
         return (f"{self.method} r={self.r} alpha={self.alpha:g} (scaling {self.scaling:g}"
@@ -114,12 +124,18 @@ class AdapterConfig:
                 + (f"; modules_to_save: {', '.join(self.modules_to_save)}" if self.modules_to_save else ""))
 
 
+def _pattern_key(pattern: tuple, module: str) -> Optional[str]:
+    """peft's ``get_pattern_key(pattern.keys(), module)`` where the key is in ``pattern`` (None: no key applies)."""
+    for key, _ in pattern:
+        if re.match(rf"(.*\.)?({key})$", module):
+            return key
+    return module if module in dict(pattern) else None
+
+
 def _pattern_value(pattern: tuple, module: str, default):
     """peft's ``pattern.get(get_pattern_key(pattern.keys(), module), default)``."""
-    for key, value in pattern:
-        if re.match(rf"(.*\.)?({key})$", module):
-            return value
-    return dict(pattern).get(module, default)
+    key = _pattern_key(pattern, module)
+    return default if key is None else dict(pattern)[key]
 
 
 def _pattern(config: dict, key: str, source: str) -> tuple:
@@ -237,5 +253,36 @@ def counts(mapping: dict[str, tuple[str, str]]) -> dict[str, int]:
     return {k: found.count(k) for k in order if k in found}
 
 
+#: the parts of a module a merge reads, by the end of peft's saved name: ``(the base tensor's last name, part)``
+_PARTS = {"lora_A.weight": ("weight", "lora_A"), "lora_B.weight": ("weight", "lora_B"),
+          "lora_B.bias": ("bias", "lora_bias"), "lora_magnitude_vector": ("weight", "lora_magnitude_vector"),
+          "lora_embedding_A": ("weight", "lora_embedding_A"), "lora_embedding_B": ("weight", "lora_embedding_B")}
+
+
+def base_tensor_of(saved: str, kind: str) -> tuple[str, str]:
+    """``(the base model's tensor it changes, part)`` of a peft saved name: ``base_model.model.<m>.lora_A.weight``
+    -> ``(<m>.weight, "lora_A")``, ``<m>.lora_B.bias`` -> ``(<m>.bias, "lora_bias")``; a trained bias
+    (``<m>.base_layer.bias`` of a targeted module, ``<m>.bias`` of another) -> ``(<m>.bias, "bias")``; a
+    ``modules_to_save`` tensor -> ``(its name in the base, "whole")``."""
+    rest = saved[len(PREFIX):]
+    for suffix, (param, part) in _PARTS.items():
+        if rest.endswith("." + suffix):
+            return f"{rest[:-len(suffix) - 1]}.{param}", part
+    if kind == BIAS:
+        return rest.replace(".base_layer.bias", ".bias") if rest.endswith(".base_layer.bias") else rest, "bias"
+    return rest, "whole"
+
+
+def base_tensors(mapping: dict[str, tuple[str, str]]) -> dict[str, dict[str, str]]:
+    """``{base tensor: {part: the checkpoint's (PeftModel's) name}}`` of an adapter (:func:`adapter_names`'s
+    mapping), in the checkpoint's order: what each base tensor of the model gets from the adapter (parts as
+    :func:`base_tensor_of` names them)."""
+    out: dict[str, dict[str, str]] = {}
+    for name, (kind, saved) in mapping.items():
+        tensor, part = base_tensor_of(saved, kind)
+        out.setdefault(tensor, {})[part] = name
+    return out
+
+
 __all__ = ["AdapterConfig", "parse_config", "split", "saved_name", "looks_like_adapter", "adapter_names", "counts",
-           "CONFIG_FILE", "WEIGHTS_FILE", "PREFIX", "README"]
+           "base_tensor_of", "base_tensors", "CONFIG_FILE", "WEIGHTS_FILE", "PREFIX", "README"]

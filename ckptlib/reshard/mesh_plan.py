@@ -26,7 +26,7 @@ from ..errors import UnsupportedCheckpointError
 from ..mesh import Mesh
 from ..plan import CopyFile
 from .autotp import autotp_target
-from .footprint import footprint
+from .footprint import footprint, state_bytes
 from .from_universal import UniversalTemplate, derived_notes, native_tag, refuse_for_native, universal_layers
 from .mesh_files import (MeshZero3Writer, MeshZero12Writer, ShardRanges, layer_file_tree, model_states_tree,
                          stage0_optimizer, zero3_model_states)
@@ -212,9 +212,10 @@ def plan_mesh_files(ck: Checkpoint, mesh: Mesh, *, tp_rules: Optional[SplitRules
     if checks:
         notes.append(f"{len(checks)} stored copies (tensor-parallel replicas, tied weights on several stages) are "
                      "compared with the copy read before anything is written")
+    per = state_bytes(ck)[0]
     prints = [footprint(sum(t.numel for g in ts.groups for t in g), ck.dtype, ck.zero_stage or 0, mesh.dp,
-                        bf16_optimizer=template_set.flavor == BF16_OPTIMIZER, stage=ts.stage, tp=ts.tp)
-              for ts in model.sets.values()]
+                        bf16_optimizer=template_set.flavor == BF16_OPTIMIZER, stage=ts.stage, tp=ts.tp,
+                        per_element=per) for ts in model.sets.values()]
     return files, notes, checks, [tag], prints
 
 

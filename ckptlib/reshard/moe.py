@@ -30,7 +30,7 @@ from ..layout.flat import FlatGroupLayout
 from ..layout.ranges import Zeros, slice_ranges
 from ..mesh import Mesh
 from ..plan import CopyFile
-from .footprint import RankFootprint, footprint
+from .footprint import RankFootprint, footprint, state_bytes
 from .trees import TreeFiles, carried, carried_client, converter_scripts, replace
 from .zero12 import Zero12Writer
 
@@ -177,8 +177,9 @@ def plan_moe_files(ck: Checkpoint, mesh: Mesh, hf_files: bool = True) -> tuple[l
     files, notes = files + client, notes + client_notes
     dense = sum(p.numel for p in ck.parameters if p.trainable and not p.tied_to and expert_id(p.name) is None)
     local = sum(p.numel for p in ck.parameters if p.trainable and not p.tied_to and expert_id(p.name) is not None) // ep
-    a = footprint(dense, ck.dtype, ck.zero_stage, world)
-    b = footprint(local, ck.dtype, ck.zero_stage, world // ep)  # an expert group is partitioned over world / ep
+    per = state_bytes(ck)[0]
+    a = footprint(dense, ck.dtype, ck.zero_stage, world, per_element=per)
+    b = footprint(local, ck.dtype, ck.zero_stage, world // ep, per_element=per)  # experts: over world / ep ranks
     prints = [RankFootprint(stage=0, tp=0, numel=dense + local, weights=a.weights + b.weights,
                             gradients=a.gradients + b.gradients, optimizer=a.optimizer + b.optimizer)]
     return files, notes, prints

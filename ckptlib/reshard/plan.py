@@ -19,7 +19,7 @@ from ..units import human_bytes, parse_size
 from .autoep import plan_autoep_files
 from .autoep_universal import plan_autoep_from_universal
 from .moe_from_universal import plan_moe_from_universal
-from .footprint import footprint
+from .footprint import footprint, state_bytes
 from .from_universal import refuse_for_native
 from .mesh_plan import plan_mesh_files
 from .moe import plan_moe_files
@@ -44,13 +44,15 @@ class ReshardPlan(Plan):
     to_mesh: Optional[Mesh] = None
     footprints: list = field(default_factory=list)  # per target set: RankFootprint (model states per rank)
     gpu_memory: Optional[int] = None   # what one GPU holds, to compare the footprints with
+    state_keys: tuple = ()             # the optimizer's per-element state keys the footprints count
 
     def memory_lines(self) -> list[str]:
         """Each target set's training memory per rank, beside the GPU size given."""
         if not self.footprints:
             return []
-        out = ["training memory per rank at the new mesh (model states only: 16-bit weights, gradients, fp32 "
-               "master and Adam moments; activations and buffers come on top):"]
+        states = f"the optimizer's {', '.join(self.state_keys)}" if self.state_keys else "Adam's moments (assumed)"
+        out = ["training memory per rank at the new mesh (model states only: 16-bit weights, gradients, the master "
+               f"and {states}; activations and buffers come on top):"]
         for f in self.footprints:
             fits = ""
             if self.gpu_memory:
@@ -181,6 +183,7 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
                            folders=[ck.location.tag], chunk_bytes=chunk_bytes, overwrite=overwrite, sync=sync,
                            notes=notes, checks=replica_checks(ck), workers=workers or default_workers(),
                            from_mesh=ck.mesh, to_mesh=mesh, footprints=prints, gpu_memory=gpu,
+                           state_keys=state_bytes(ck)[1],
                            crc=every_entry(ck) if verify_crc else [])
     if mesh.ep != ck.mesh.ep:
         raise UnsupportedCheckpointError("this checkpoint has no experts: there is no expert-parallel size to change",
@@ -195,7 +198,7 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
                            chunk_bytes=chunk_bytes, overwrite=overwrite, sync=sync,
                            notes=notes + optimizer_notes(ck), checks=checks,
                            workers=workers or default_workers(), from_mesh=ck.mesh, to_mesh=mesh, footprints=prints,
-                           gpu_memory=gpu, crc=every_entry(ck) if verify_crc else [])
+                           gpu_memory=gpu, state_keys=state_bytes(ck)[1], crc=every_entry(ck) if verify_crc else [])
     refuse_unsupported(ck)
     tag_name = ck.location.tag
     files: list = []
@@ -227,10 +230,11 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
     notes += [note] if note else []
     if world_size != ck.partition_count:
         notes += optimizer_notes(ck)
+    per, keys = state_bytes(ck)
     prints = [footprint(sum(p.numel for p in zs.parameters if p.trainable and not p.tied_to), ck.dtype,
                         ck.zero_stage or 0, world_size, bf16_optimizer=ck.flavor == BF16_OPTIMIZER,
-                        stage=zs.coordinate.pp, tp=zs.coordinate.tp) for zs in ck.sets.values()]
-    return ReshardPlan(footprints=prints, gpu_memory=gpu, from_mesh=ck.mesh, source=ck.source_ref(), out=Path(out).expanduser().resolve(), world_size=world_size,
+                        stage=zs.coordinate.pp, tp=zs.coordinate.tp, per_element=per) for zs in ck.sets.values()]
+    return ReshardPlan(footprints=prints, state_keys=keys, gpu_memory=gpu, from_mesh=ck.mesh, source=ck.source_ref(), out=Path(out).expanduser().resolve(), world_size=world_size,
                        files=files, finals=[TextFile("latest", tag_name, kind="latest")], folders=[tag_name],
                        chunk_bytes=chunk_bytes, overwrite=overwrite, sync=sync, notes=notes,
                        workers=workers or default_workers(), checks=replica_checks(ck),

@@ -16,7 +16,7 @@ from ..io.torchzip.specs import NewTensor
 from ..io.torchzip.trees import as_specs, tree_bytes
 from ..io.torchzip.writer import file_size
 from ..layout.flat import DEFAULT_SUB_GROUP_SIZE, configured_sub_group_size
-from ..layout.ranges import numel
+from ..layout.ranges import Zeros, numel
 from ..plan import CopyFile, TreeFile
 
 
@@ -39,6 +39,13 @@ def streamed(dtype: str, ranges: list, requires_grad: bool = False, shape: Optio
     """A new tensor made of ``ranges`` (source ranges and zeros), 1-D unless ``shape`` is given."""
     n = numel(ranges)
     return NewTensor(dtype, shape if shape is not None else (n,), tuple(ranges), requires_grad=requires_grad)
+
+
+def stored_dtype(ranges: list) -> Optional[str]:
+    """The dtype of the first stored range of ``ranges`` (zeros have none), None when all are zeros: a target keeps
+    the masters in the dtype the source stores them in (fp32, or bf16 under DeepSpeed's
+    ``bf16_master_weights_and_grads``), as DeepSpeed at the target size would."""
+    return next((r.dtype for r in ranges if not isinstance(r, Zeros)), None)
 
 
 def copied(h: TensorHandle) -> NewTensor:

@@ -21,7 +21,9 @@ Output folder ``OUT`` (a new folder; it appears atomically, the source is only r
         zero_pp_rank_<r>_mp_rank_00_model_states.pt
                                             ZeRO-3: the N source model-states files, copied
         zero/optimizer_state.pt             the optimizer's global state (see below)
-        zero/<param>/fp32.pt                {'cat_dim': 0, 'param': fp32 master, full shape}
+        zero/<param>/fp32.pt                {'cat_dim': 0, 'param': the master, full shape, as stored:
+                                            fp32, or bf16 under bf16_master_weights_and_grads
+                                            (as ds_to_universal keeps it)}
         zero/<param>/<key>.pt               the same for every per-element optimizer state its group
                                             keeps (exp_avg, exp_avg_sq; momentum_buffer, sum, ...)
         zero/<param>/step.pt                the optimizer step of the parameter's group (as saved: a
@@ -105,7 +107,7 @@ from ..units import human_bytes
 from .moe_universal import (EP_NUM_EXPERTS, EXPORT_HINT, IS_EXPERT_PARAM, expert_folders, moe_notes, renamed_groups,
                             stacked_entries, target_ep)
 from .plan import default_workers, every_entry, optimizer_notes, refuse_unplaced_states, refuse_unsupported
-from .trees import carried, client_files, copied, replace, streamed, tree_file
+from .trees import carried, client_files, copied, replace, stored_dtype, streamed, tree_file
 
 UNIVERSAL_SUFFIX = "_universal"
 LATEST_UNIVERSAL = "latest_universal"
@@ -429,7 +431,8 @@ def plan_universal(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[s
         extra = {"cat_dim": 1 if role == "row" else 0, **({"vocab_tensor": True} if role == "vocabulary" else {}),
                  **stacked, **autoep_experts.get(p.name, {})}
         shape = (len(names), *p.shape) if stacked else tuple(p.shape)
-        add(f"{folder}/fp32.pt", {**extra, "param": streamed("float32", _joined(ck, names, None), rg, shape)},
+        ranges = _joined(ck, names, None)
+        add(f"{folder}/fp32.pt", {**extra, "param": streamed(stored_dtype(ranges) or "float32", ranges, rg, shape)},
             ranks=ranks)
         for key in src.keys.get(p.group, []):
             ranges = _joined(ck, names, key)

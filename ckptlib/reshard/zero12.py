@@ -11,7 +11,7 @@ from ..io.torchzip import FragmentAddress, TensorHandle
 from ..io.torchzip.standins import TorchSize
 from ..kinds.optimizers import WHOLE_PARAMS
 from ..layout.flat import FlatGroupLayout, Piece, reslice_by_params, reslice_flat, round_robin_order
-from .trees import optim_prefix, replace, streamed, to_ranges
+from .trees import optim_prefix, replace, stored_dtype, streamed, to_ranges
 
 
 class Zero12Writer:
@@ -90,15 +90,23 @@ class Zero12Writer:
             return None
         return new
 
+    def master_dtype(self, g: int) -> str:
+        """The dtype of group ``g``'s masters as the source stores them (that of the first stored range of any target
+        partition; fp32 where none holds one): fp32, or bf16 under DeepSpeed's ``bf16_master_weights_and_grads``."""
+        return next((d for r in range(self.m) for d in [stored_dtype(self.partition_ranges(g, r, True, None))] if d),
+                    "float32")
+
     def optim_states(self, rank: int) -> tuple[str, Any]:
-        """``(file name, object tree)`` of target ``rank``'s optimizer-states file."""
+        """``(file name, object tree)`` of target ``rank``'s optimizer-states file: the masters in the dtype the
+        source stores them in (:meth:`master_dtype`), each state key in its own."""
         m = self.m
         top = self._optim0
         osd0 = top["optimizer_state_dict"]
         fp32 = []
         for g in range(len(self.dst)):
             rg = self.template.partition_tensor(self.template.rank(0), g).requires_grad
-            fp32.append(streamed("float32", self.partition_ranges(g, rank, self.bf16, None), requires_grad=rg))
+            ranges = self.partition_ranges(g, rank, self.bf16, None)
+            fp32.append(streamed(stored_dtype(ranges) or self.master_dtype(g), ranges, requires_grad=rg))
         base = osd0["base_optimizer_state"]
         state = type(base["state"])()
         for g in range(len(self.dst)):

@@ -12,7 +12,7 @@ from ..io.torchzip import TensorHandle
 from ..io.torchzip.standins import TorchSize
 from ..layout.flat import Piece, Zero3Layout, chunk_size, reslice_zero3, zero3_sub_groups
 from ..layout.ranges import Zeros, range_starts, slice_ranges
-from .trees import copied, optim_prefix, replace, streamed, sub_group_size, to_ranges
+from .trees import copied, optim_prefix, replace, stored_dtype, streamed, sub_group_size, to_ranges
 
 
 class Zero3Writer:
@@ -41,15 +41,22 @@ class Zero3Writer:
         return [collections.OrderedDict((s.name, TorchSize(s.shape)) for s in self.dst.sub_group_slots(k))
                 for k in range(len(self.dst.sub_group_sizes))]
 
+    def master_dtype(self, k: int) -> str:
+        """The dtype of sub-group ``k``'s masters as the source stores them (that of the first stored range of any
+        target rank's; fp32 where none holds one): fp32, or bf16 under DeepSpeed's ``bf16_master_weights_and_grads``."""
+        return next((d for r in range(self.m) for d in [stored_dtype(self.sub_group_ranges(k, r, None))] if d),
+                    "float32")
+
     def optim_states(self, rank: int) -> tuple[str, Any]:
-        """``(file name, object tree)`` of target ``rank``'s optimizer-states file."""
+        """``(file name, object tree)`` of target ``rank``'s optimizer-states file: the masters in the dtype the
+        source stores them in (:meth:`master_dtype`), each state key in its own."""
         t, m = self.template, self.m
         top = self._optim0
         osd0 = top["optimizer_state_dict"]
         inner = osd0["optimizer_state_dict"]
         rg = t.partition_tensor(t.rank(0), 0).requires_grad
-        flats = [streamed("float32", self.sub_group_ranges(k, rank, None), requires_grad=rg)
-                 for k in range(len(self.dst.sub_group_sizes))]
+        flats = [streamed(stored_dtype(ranges) or self.master_dtype(k), ranges, requires_grad=rg)
+                 for ranges in (self.sub_group_ranges(k, rank, None) for k in range(len(self.dst.sub_group_sizes)))]
         state = type(inner["state"])()
         groups = []
         for g, group in enumerate(inner["param_groups"]):

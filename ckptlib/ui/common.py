@@ -1,4 +1,5 @@
-"""Pieces every widget uses: an error area, a callback guard, a progress observer, path resolution.
+"""Pieces every widget uses: an error area, a callback guard, a progress observer, path resolution; and how a
+notebook cell shows a refusal.
 
 Rules the widgets follow (see ``docs`` of ipywidgets on threads and on output from callbacks):
 
@@ -6,12 +7,19 @@ Rules the widgets follow (see ``docs`` of ipywidgets on threads and on output fr
   widget's :class:`ErrorArea` (message and traceback), never lost in the kernel log;
 - worker and sampler threads only *set widget values* (``.value``, ``append_stderr``); they never
   ``print`` and never enter an ``Output`` context.
+
+A notebook cell shows a refusal as ``ckpt`` prints it, the message and the hint in a box (:func:`refusal_html`,
+the same parts the :class:`ErrorArea` shows), never as a traceback: ``with refusals("plan"): plan = ...`` shows
+one of ckptlib's errors raised inside and goes on (``plan`` keeps its value from before, and the cells after it
+skip what needs it); any other exception, a bug, is raised as usual.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import html
 import os
+import re
 import threading
 import time
 import traceback
@@ -21,7 +29,8 @@ from typing import Callable, Optional, Union
 import ipywidgets as widgets
 
 import ckptlib
-from ckptlib.errors import message_and_hint
+from ckptlib.errors import PipelineUnknownError, message_and_hint
+from ckptlib.reshard.stages import parse_tied
 from ckptlib.units import human_bytes
 
 
@@ -46,17 +55,7 @@ class ErrorArea(widgets.VBox):
         its traceback."""
         self.errors.append(exc)
         ours = isinstance(exc, ckptlib.CkptError)
-        kind = "error" if ours else type(exc).__name__
-        where = f"{html.escape(context)}: " if context else ""
-        if ours:
-            what, hint = message_and_hint(exc)
-        else:
-            what, hint = str(exc) or type(exc).__name__, None
-        hint_html = (f"<div class='ckpt-error-hint' style='color:#555'><b>hint:</b> {html.escape(hint)}</div>"
-                     if hint else "")
-        self.message.value = (f"<div style='color:#b71c1c;white-space:pre-wrap'><b>&#9888; {where}{kind}</b></div>"
-                              f"<div class='ckpt-error-message' style='color:#b71c1c;white-space:pre-wrap'>"
-                              f"{html.escape(what)}</div>{hint_html}")
+        self.message.value = error_parts_html(exc, context)
         self.details.outputs = ()
         if not ours:  # ckptlib's own errors say all there is to say
             tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
@@ -72,6 +71,76 @@ class ErrorArea(widgets.VBox):
     def text(self) -> str:
         """The message shown (HTML stripped of nothing; for tests)."""
         return self.message.value
+
+
+def error_parts_html(exc: BaseException, context: str = "") -> str:
+    """``exc`` in HTML as ``ckpt`` says it: a head (``&#9888; context: error``), the message and the hint, each in
+    its own ``div`` (``ckpt-error-message``, ``ckpt-error-hint``), from :func:`ckptlib.errors.message_and_hint`; any
+    other exception (a bug): its type as the head, its text, no hint."""
+    ours = isinstance(exc, ckptlib.CkptError)
+    kind = "error" if ours else type(exc).__name__
+    where = f"{html.escape(context)}: " if context else ""
+    if ours:
+        what, hint = message_and_hint(exc)
+    else:
+        what, hint = str(exc) or type(exc).__name__, None
+    hint_html = (f"<div class='ckpt-error-hint' style='color:#555'><b>hint:</b> {html.escape(hint)}</div>"
+                 if hint else "")
+    return (f"<div style='color:#b71c1c;white-space:pre-wrap'><b>&#9888; {where}{kind}</b></div>"
+            f"<div class='ckpt-error-message' style='color:#b71c1c;white-space:pre-wrap'>"
+            f"{html.escape(what)}</div>{hint_html}")
+
+
+def refusal_html(exc: BaseException, context: str = "") -> str:
+    """A refusal in a box that cannot be missed (``div.ckpt-refusal``): :func:`error_parts_html` inside, the error's
+    class name in ``data-error``."""
+    return (f"<div class='ckpt-refusal' data-error='{html.escape(type(exc).__name__)}' style='border:1px solid "
+            f"#e57373;border-left:5px solid #b71c1c;background:#fff5f5;padding:6px 10px;margin:6px 0'>"
+            f"{error_parts_html(exc, context)}</div>")
+
+
+def show_refusal(exc: BaseException, context: str = "") -> None:
+    """Show ``exc`` in the notebook cell that runs this, as :func:`refusal_html` (an HTML output, kept in the saved
+    notebook)."""
+    from IPython.display import HTML, display
+
+    display(HTML(refusal_html(exc, context)))
+
+
+class Refused:
+    """What :func:`refusals` caught: ``error`` (None: nothing was refused); true when something was."""
+
+    def __init__(self):
+        self.error: Optional[ckptlib.CkptError] = None
+
+    def __bool__(self) -> bool:
+        return self.error is not None
+
+
+@contextlib.contextmanager
+def refusals(context: str = ""):
+    """``with refusals("plan") as refused: plan = ckptlib.plan_reshard(...)``: one of ckptlib's errors raised inside
+    (a refusal, a cancel, memory or output trouble: a :class:`ckptlib.CkptError`) is shown with :func:`show_refusal`
+    and not raised, so that the notebook goes on; ``refused.error`` holds it. Anything else (a bug) is raised."""
+    refused = Refused()
+    try:
+        yield refused
+    except ckptlib.CkptError as e:
+        refused.error = e
+        show_refusal(e, context)
+
+
+def fits(pre) -> bool:
+    """Whether a :class:`~ckptlib.analysis.verify.Preflight` says the plan fits this machine; when it does not, a
+    refusal box says what does not fit (memory, disk) and what to do, and False is returned."""
+    if pre.ok:
+        return True
+    short = ([f"memory: {pre.memory.message}"] if not pre.memory.fits else []) + \
+        ([f"disk: {pre.disk_message}"] if not pre.disk_ok else [])
+    show_refusal(ckptlib.CkptError("not enough memory or disk for this run (" + "; ".join(short) + ")",
+                                   hint="free memory or disk, or point output_dir at a disk with room; the steps "
+                                        "below are skipped"), "will it fit")
+    return False
 
 
 def guarded(context: str = "") -> Callable:
@@ -141,6 +210,40 @@ class WidgetObserver(ckptlib.Observer):
         self.progress.bar_style = "warning" if isinstance(error, ckptlib.Cancelled) else "danger"
 
 
+# ============================================================================================ pipeline questions
+#: the pipeline fields of the reshard wizard: plan_reshard's argument and the ``ckpt reshard`` option it is
+PIPELINE_OPTIONS = {"pp_partition": "--pp-partition", "pp_layers": "--pp-layers", "pp_tied": "--pp-tied"}
+
+
+def tied_uses(value: Union[None, str, dict]) -> Optional[dict]:
+    """``pp_tied`` as :func:`ckptlib.plan_reshard` takes it, ``{key: [layer, ...]}``, from a notebook parameter or a
+    field: None or empty: None; a dict as it is; a string ``"KEY:I,J"`` (several separated by spaces or ``;``) read
+    as ``ckpt reshard --pp-tied`` reads it."""
+    if value is None or isinstance(value, dict):
+        return value or None
+    items = [t for t in re.split(r"[\s;]+", str(value).strip()) if t]
+    return parse_tied(items) if items else None
+
+
+def asked_options(exc: BaseException) -> list:
+    """The pipeline options (:data:`PIPELINE_OPTIONS` keys) a :class:`~ckptlib.errors.PipelineUnknownError` asks
+    for: those its message names and, when it has a hint of its own, those its hint names (a refusal that needs the
+    tied modules' layers says ``--pp-tied``); a refusal naming none asks for the whole description, as its default
+    hint does."""
+    what, hint = message_and_hint(exc)
+    said = what + ("" if hint == PipelineUnknownError.default_hint else " " + (hint or ""))
+    named = [k for k, flag in PIPELINE_OPTIONS.items() if re.search(re.escape(flag) + r"\b", said)]
+    return named or list(PIPELINE_OPTIONS)
+
+
+def option_example(exc: BaseException, option: str) -> str:
+    """The example value a refusal's hint gives for ``option`` (``"e.g. --pp-tied embed:0,5"``: ``"embed:0,5"``);
+    "" when it gives none."""
+    _, hint = message_and_hint(exc)
+    m = re.search(r"e\.g\.\s+" + re.escape(PIPELINE_OPTIONS[option]) + r"\s+(\S+)", hint or "")
+    return m.group(1).rstrip(".,;)") if m else ""
+
+
 # ============================================================================================ paths
 def repo_root() -> Optional[Path]:
     """The source tree ckptlib runs from (with ``samples/``), when it runs from one."""
@@ -182,7 +285,13 @@ def notebook_setup(checkpoint_dir: Union[str, os.PathLike],
                    output_dir: Union[str, os.PathLike] = "output") -> tuple["ckptlib.Checkpoint", Path]:
     """What every notebook does first: resolve its ``checkpoint_dir`` and ``output_dir`` parameters (see
     :func:`find_path`) and open the checkpoint (metadata only). Returns ``(checkpoint, output_dir)``."""
-    ckpt = ckptlib.open_checkpoint(find_path(checkpoint_dir))
+    try:
+        found = find_path(checkpoint_dir)
+    except FileNotFoundError as e:  # said as ckpt says it (a refusal, not a traceback)
+        raise ckptlib.NotACheckpointError(str(e), hint="set checkpoint_dir in the notebook's first cell to the folder "
+                                                        "given to engine.save_checkpoint, a tag folder or an HF "
+                                                        "checkpoint-N folder") from None
+    ckpt = ckptlib.open_checkpoint(found)
     return ckpt, find_path(output_dir, must_exist=False)
 
 

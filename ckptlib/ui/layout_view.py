@@ -15,9 +15,9 @@ import ipywidgets as widgets
 
 import ckptlib
 
-from . import figures
-from .common import ErrorArea, as_checkpoint, guarded, png_image, set_png
-from .plots import figure_png
+from . import layout_pictures as pictures
+from .common import ErrorArea, as_checkpoint, guarded
+from .pictures import picture_widget, set_picture
 
 ALL = -1
 
@@ -35,11 +35,11 @@ class LayoutView(widgets.VBox):
         self.errors = ErrorArea()
         self.checkpoint = as_checkpoint(checkpoint)
         ck = self.checkpoint
-        self.panels = figures.layout_panels(ck)
+        self.panels = pictures.layout_panels(ck)
         self.names = [p.name for p in ck.parameters]
         self.title = widgets.HTML()
         self.group = widgets.Dropdown(description="show", layout=widgets.Layout(width="45%"))
-        self.group.options = [("all groups", ALL)] + [(f"{p['label']} ({len(p['params'])} parameters)", i)
+        self.group.options = [("all groups", ALL)] + [(f"{p['label']}: {p['optimizer'] or '-'} ({len(p['parameters'])} parameters)", i)
                                                       for i, p in enumerate(self.panels)]
         self.group.value = ALL
         self.search = widgets.Text(description="search", placeholder="part of a parameter name",
@@ -48,7 +48,8 @@ class LayoutView(widgets.VBox):
                                     value="", rows=7, layout=widgets.Layout(width="60%"))
         self.param.add_class("ckpt-param-select")
         self.search.add_class("ckpt-param-search")
-        self.figure = png_image("ckpt-layout-figure")
+        self.figure = picture_widget(cls="ckpt-layout-figure")  # the picture and its facts (data-facts)
+        self.picture = None
         self.where = widgets.HTML()
         self.where.add_class("ckpt-where")
         self.group.observe(self._on_group, names="value")
@@ -93,10 +94,10 @@ class LayoutView(widgets.VBox):
     def _on_param(self, change) -> None:
         name = change["new"]
         if name:
-            i = figures.panel_of(self.checkpoint, name)
+            i = pictures.panel_of(self.checkpoint, name, self.panels)
             if i is not None and self.group.value not in (ALL, i):
                 self.group.value = i  # renders through _on_group
-            self.where.value = figures.where_html(self.checkpoint, name)
+            self.where.value = pictures.where_html(self.checkpoint, name)
         else:
             self.where.value = ""
         self.render()
@@ -105,5 +106,5 @@ class LayoutView(widgets.VBox):
         """Draw the figure for the current choices into the image."""
         g = self.group.value
         panels = None if g == ALL else [g]
-        set_png(self.figure, figure_png(figures.layout_figure(self.checkpoint, panels=panels,
-                                                              highlight=self.selected)))
+        self.picture = pictures.layout_picture(self.checkpoint, panels=panels, highlight=self.selected)
+        set_picture(self.figure, self.picture)

@@ -28,7 +28,7 @@ from .plots import figure_png
 
 class Picture:
     """A matplotlib figure (``figure``), what kind of picture it is (``kind``: ``"groups"``, ``"muon"``,
-    ``"experts"``, ``"mesh"``, ``"universal"``, ``"adapter"``...), the JSON-ready ``facts`` it draws, and a
+    ``"experts"``, ``"grid"``, ``"universal"``, ``"adapter"``...), the JSON-ready ``facts`` it draws, and a
     ``caption`` in words. The PNG is rendered once, on first use."""
 
     def __init__(self, figure, kind: str, facts: Any, caption: str = ""):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import html
 import os
-import re
 import threading
 from pathlib import Path
 from typing import Optional, Union
@@ -27,11 +26,11 @@ import ckptlib
 from ckptlib.analysis.verify import Check, preflight, verify
 from ckptlib.dtypes import OUTPUT_DTYPES
 from ckptlib.errors import PipelineUnknownError
-from ckptlib.reshard.stages import parse_tied
 from ckptlib.system.memory import process_memory
 from ckptlib.units import human_bytes
 
-from .common import ErrorArea, WidgetObserver, as_checkpoint, find_path, full_labels, guarded
+from .common import (PIPELINE_OPTIONS, ErrorArea, WidgetObserver, as_checkpoint, asked_options, find_path,
+                     full_labels, guarded, option_example, tied_uses)
 from .monitor import MemoryMonitor
 
 STEPS = [("options", "1 · options"), ("planned", "2 · plan"), ("running", "3 · run"), ("verifying", "4 · verify"),
@@ -341,7 +340,10 @@ class ReshardWizard(_Wizard):
     A pipeline (``PipelineModule``) checkpoint records where its layers are, not how its module places them:
     when the new mesh could take them in more than one way, the plan is refused with ``ckpt``'s message and
     hint, and the pipeline fields appear (the split, the number of layer specs, the layers using a tied
-    module: ``ckpt reshard --pp-partition``, ``--pp-layers``, ``--pp-tied``, read the same way).
+    module: ``ckpt reshard --pp-partition``, ``--pp-layers``, ``--pp-tied``, read the same way). The fields the
+    refusal asks for (:func:`asked_options`: a universal folder written by ``ds_to_universal`` does not say which
+    layer builds a tied module, and asks for ``--pp-tied``) are marked and listed in ``asked``, with the hint's
+    example as their placeholder (never as their value: the user says it).
 
     Args:
         checkpoint: a :class:`ckptlib.Checkpoint` or a path.
@@ -365,6 +367,7 @@ class ReshardWizard(_Wizard):
             pp_tied = " ".join(f"{k}:{','.join(map(str, v))}" for k, v in pp_tied.items())
         self._pipeline_initial = (pp_partition or "", "" if pp_layers is None else str(pp_layers), pp_tied or "")
         self.tp_rules = tp_rules
+        self.asked: list = []  # the pipeline options the last refusal asked for
         super().__init__(checkpoint, out)
 
     def _options(self) -> list:
@@ -382,22 +385,27 @@ class ReshardWizard(_Wizard):
         self.ep = size("ep", mesh.ep, "expert ranks")
         self.world_note = widgets.HTML(f"currently pp={mesh.pp} tp={mesh.tp} dp={current} ep={mesh.ep}")
         split, layers, tied = self._pipeline_initial
-        wide = widgets.Layout(width="70%")
-        self.pp_partition = widgets.Text(value=split, description="pipeline split", layout=wide,
+
+        def wide():  # a layout of its own for each field: the one the refusal asks for gets a border
+            return widgets.Layout(width="70%")
+
+        self.pp_partition = widgets.Text(value=split, description="pipeline split", layout=wide(),
                                          placeholder="uniform, parameters, or the stage boundaries B0,B1,...,Bn",
                                          tooltip="how the PipelineModule places its layers (ckpt --pp-partition)")
-        self.pp_layers = widgets.Text(value=layers, description="layer specs", layout=wide,
+        self.pp_layers = widgets.Text(value=layers, description="layer specs", layout=wide(),
                                       placeholder="the number of layer specs of the PipelineModule (if asked)",
                                       tooltip="ckpt --pp-layers")
-        self.pp_tied = widgets.Text(value=tied, description="tied uses", layout=wide,
+        self.pp_tied = widgets.Text(value=tied, description="tied uses", layout=wide(),
                                     placeholder="KEY:I,J: the layers using the tied module KEY, first the one that "
                                                 "builds it, e.g. embed:0,6 (several: separated by spaces)",
                                     tooltip="ckpt --pp-tied")
+        self.pipeline_asks = widgets.HTML()
+        self.pipeline_asks.add_class("ckpt-pipeline-asks")
         self.pipeline = widgets.VBox([
             widgets.HTML("<b>pipeline</b>: the checkpoint shows where its layers are, not how the PipelineModule "
                          "places them at another mesh; say it here as in your training script "
                          "(<code>partition_method</code>, or the stage boundaries), then Plan again"),
-            self.pp_partition, self.pp_layers, self.pp_tied])
+            self.pipeline_asks, self.pp_partition, self.pp_layers, self.pp_tied])
         self.pipeline.add_class("ckpt-pipeline-fields")
         self.pipeline.layout.display = "" if any(self._pipeline_initial) else "none"
         return [widgets.HBox([self.world_size, self.tp]), widgets.HBox([self.pp, self.ep]), self.world_note,
@@ -417,8 +425,35 @@ class ReshardWizard(_Wizard):
                 raise ckptlib.CkptError(f"--pp-layers {layers!r}: give the number of layer specs, a whole number",
                                         hint="leave 'layer specs' empty unless the refusal asks for it") from None
         if tied:
-            out["pp_tied"] = parse_tied([t for t in re.split(r"[\s;]+", tied) if t])
+            out["pp_tied"] = tied_uses(tied)
         return out
+
+    def _ask(self, exc: PipelineUnknownError) -> None:
+        """Show the pipeline fields and mark those ``exc`` asks for (:func:`asked_options`)."""
+        self.pipeline.layout.display = ""
+        self.asked = asked_options(exc)
+        fields = {"pp_partition": self.pp_partition, "pp_layers": self.pp_layers, "pp_tied": self.pp_tied}
+        said = []
+        for option, field in fields.items():
+            asked = option in self.asked
+            field.layout.border = "2px solid #e65100" if asked else None
+            (field.add_class if asked else field.remove_class)("ckpt-asked")
+            example = option_example(exc, option) if asked else ""
+            if example:
+                field.placeholder = f"e.g. {example} (the refusal's example: check it against your PipelineModule)"
+            if asked:
+                said.append(f"<b>{html.escape(field.description)}</b> (<code>{PIPELINE_OPTIONS[option]}</code>"
+                            + (f", e.g. <code>{html.escape(example)}</code>" if example else "") + ")")
+        self.pipeline_asks.value = ("<span style='color:#e65100'>&#9888; the refusal above asks for: "
+                                    + ", ".join(said) + "</span>")
+
+    def _answered(self) -> None:
+        """A plan was made: nothing is asked any more."""
+        self.asked = []
+        self.pipeline_asks.value = ""
+        for field in (self.pp_partition, self.pp_layers, self.pp_tied):
+            field.layout.border = None
+            field.remove_class("ckpt-asked")
 
     def _make_plan(self):
         mesh = self.checkpoint.mesh
@@ -426,12 +461,14 @@ class ReshardWizard(_Wizard):
                                                  ("ep", self.ep, mesh.ep)) if w.value != now}
         extra = {"tp_rules": self.tp_rules} if self.tp_rules is not None else {}
         try:
-            return ckptlib.plan_reshard(self.checkpoint, self.out.value, self.world_size.value,
+            plan = ckptlib.plan_reshard(self.checkpoint, self.out.value, self.world_size.value,
                                         overwrite=self.overwrite.value, sync=self.sync.value, **changed,
                                         **self.pipeline_options(), **extra)
-        except PipelineUnknownError:
-            self.pipeline.layout.display = ""  # the mesh change needs the pipeline's description
+        except PipelineUnknownError as e:
+            self._ask(e)  # the mesh change needs (part of) the pipeline's description: ask for it
             raise
+        self._answered()
+        return plan
 
     def _execute(self, plan, observer, cancel):
         return ckptlib.reshard(plan, observer=observer, cancel=cancel)
