@@ -80,7 +80,59 @@ def main() -> int:
         wizard.scroll_into_view_if_needed()
         run_wizard(page, wizard)
         shot(page, wizard, "notebook-04-reshard.png")
+    pictures()
     return 0
+
+
+def element(page, locator, name: str) -> None:
+    """A picture of one element (a figure and its caption)."""
+    locator.scroll_into_view_if_needed()
+    page.wait_for_timeout(300)
+    path = DOCS / name
+    locator.screenshot(path=str(path))
+    print("wrote", path.relative_to(ROOT))
+
+
+#: (family of tests/families.py, notebook, what to picture, file): issue 38's pictures on real checkpoints
+PICTURES = [("muon-z2", "02_partition_layout.ipynb", "figure.ckpt-picture-groups", "notebook-02-groups.png"),
+            ("muon-z2", "02_partition_layout.ipynb", "figure.ckpt-picture-muon", "notebook-02-muon.png"),
+            ("autoep-z2", "01_browse.ipynb", "figure.ckpt-picture-experts", "notebook-01-experts.png"),
+            ("3d", "01_browse.ipynb", "figure.ckpt-picture-grid", "notebook-01-grid.png"),
+            ("universal-ds-pipeline", "01_browse.ipynb", "figure.ckpt-picture-universal", "notebook-01-universal.png"),
+            ("peft", "03_export_weights.ipynb", ".ckpt-adapter-view", "notebook-03-adapter.png")]
+
+
+def pictures() -> None:
+    """The pictures of issue 38, each on a real checkpoint of its family (the test fixtures: built on first use)."""
+    import json
+    import tempfile
+
+    from tests.families import _fixture, family_checkpoints
+
+    work = Path(tempfile.mkdtemp(prefix="ckptlib-shots-"))
+    paths = family_checkpoints(work, only={f for f, *_ in PICTURES})
+    for family in dict.fromkeys(f for f, *_ in PICTURES):
+        folder = work / family
+        folder.mkdir()
+        todo = [(nb, sel, name) for f, nb, sel, name in PICTURES if f == family]
+        for nb in dict.fromkeys(nb for nb, _, _ in todo):
+            params = {"checkpoint_dir": str(paths[family]), "output_dir": str(work / "output" / family)}
+            if family == "peft":
+                fx = _fixture("tests.fixtures.peft.factory", "peft_lora_qv_z3")
+                params.update(adapter_checkpoint_dir=str(fx["checkpoint_path"]), adapter_base_dir=str(fx["base_path"]))
+            book = json.loads((ROOT / "notebooks" / nb).read_text())
+            for c in book["cells"]:
+                if "parameters" in c.get("metadata", {}).get("tags", []):
+                    c["source"] = ["".join(c["source"]) + "\n" + "".join(f"{k} = {json.dumps(v)}\n"
+                                                                       for k, v in params.items())]
+            (folder / nb).write_text(json.dumps(book))
+        with jupyterlab([folder / nb for nb in dict.fromkeys(nb for nb, _, _ in todo)]) as lab, \
+                chromium(1400, 1050) as page:
+            for nb in dict.fromkeys(nb for nb, _, _ in todo):
+                open_and_run_all(page, lab, nb)
+                assert not errors_in_page(page), errors_in_page(page)
+                for _, sel, name in (t for t in todo if t[0] == nb):
+                    element(page, page.locator(sel).first, name)
 
 
 if __name__ == "__main__":

@@ -39,12 +39,17 @@ def _squash(s: str) -> str:
 
 @pytest.mark.parametrize("family", ALL)
 def test_inspect_text_comes_from_its_json_and_every_tab_states_it(families, family):
+    check_tabs(families[family], family)
+
+
+def check_tabs(path: Path, family: str = "") -> None:
+    """``ckpt inspect``'s text is what ``format_text`` makes of ``ckpt inspect --json``, and the browser's Summary, Files
+    and Parameters tabs state every line of it."""
     import ckptlib
     from ckptlib.analysis.summary import closing, file_lines, parameter_lines, summary_rows
     from ckptlib.analysis.summary import format_text
     from ckptlib.ui import CheckpointBrowser
 
-    path = families[family]
     out = subprocess.run([sys.executable, "-m", "ckptlib", "inspect", str(path), "--json"], capture_output=True,
                          text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
@@ -133,14 +138,19 @@ def _describe(path) -> dict:
 
 @pytest.mark.parametrize("family", ALL)
 def test_01_browse_states_what_inspect_states(families, executed_families, family):
-    from ckptlib.analysis.summary import closing, summary_rows
-
     error, executed = executed_families["01_browse", family]
     if error is not None:
         raise error
+    check_01(executed, families[family])
+
+
+def check_01(executed: Path, path: Path) -> None:
+    """01 run on ``path``: no error output, the summary's every row and closing line, where the files sit."""
+    from ckptlib.analysis.summary import closing, summary_rows
+
     outputs = _outputs(executed)
     assert not [o for o in outputs if o.get("output_type") == "error"]
-    d = _describe(families[family])
+    d = _describe(path)
     shown = _text(_html(outputs))
     for label, value in summary_rows(d):
         assert _squash(f"{label} {value}") in shown, (label, value)
@@ -163,9 +173,15 @@ def test_02_partition_layout_draws_each_group_with_its_optimizer(families, execu
     error, executed = executed_families["02_partition_layout", family]
     if error is not None:
         raise error
+    check_02(executed, families[family], family)
+
+
+def check_02(executed: Path, path: Path, family: str = "") -> None:
+    """02 run on ``path``: no error output; each group drawn with the optimizer that steps it and its keys; Muon's
+    whole matrices where a group keeps them, each rank's file holding exactly the matrices drawn."""
     outputs = _outputs(executed)
     assert not [o for o in outputs if o.get("output_type") == "error"]
-    d = _describe(families[family])
+    d = _describe(path)
     pictures = _pictures(outputs)
     groups = pictures["groups"][0]["panels"]
     placed = d["placement"]["groups"]

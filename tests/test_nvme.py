@@ -9,6 +9,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import safetensors.torch
@@ -284,3 +285,19 @@ def test_deepspeeds_converter_on_them(nvme, tmp_path):
     ckptlib.export(ckptlib.plan_export(fx["checkpoint_path"], tmp_path / "out"))
     ours = safetensors.torch.load_file(tmp_path / "out" / "model.safetensors")
     assert all(torch.equal(ours[k], v.float()) for k, v in theirs.items())
+
+
+@pytest.mark.parametrize("name", ["nvme_all_bf16_cpuadam"])
+def test_the_notebooks_show_an_nvme_checkpoint(nvme, name, tmp_path):
+    """Issue 38's NVMe family: inspect's text is its JSON's and the browser's tabs state it (the swap files listed);
+    01_browse and 02_partition_layout run on it with no error output and state what inspect states
+    (tests/test_notebook_families.py's checks)."""
+    from tests.test_notebook_families import check_01, check_02, check_tabs
+    from tests.test_notebooks import _execute
+
+    path = Path(nvme[name]["checkpoint_path"])
+    check_tabs(path)
+    for notebook, check in (("01_browse", check_01), ("02_partition_layout", check_02)):
+        executed = tmp_path / f"{notebook}.ipynb"
+        _execute(notebook, path, tmp_path / "output", executed)
+        check(executed, path)

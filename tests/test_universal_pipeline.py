@@ -162,6 +162,31 @@ def test_inspect_and_notes_of_a_pipeline_folder(pipe_universal):
     assert code == 0 and json.loads(text)["universal"]["absent"] == [], text
 
 
+@pytest.mark.parametrize("name", PIPELINES)
+def test_the_export_names_every_buffer_the_folder_cannot_hold(pipe_universal, tmp_path, name):
+    """Issue 40: an export of a ds_to_universal pipeline folder holds every parameter and state exactly but none of the
+    pipeline's buffers (ds_to_universal copies no layer files): its ``--plan`` and the notes of the run name each one
+    the original export has and this one lacks; ckptlib's own folder lacks none and says nothing."""
+    from safetensors import safe_open
+
+    fx, original, folder, ours = pipe_universal[name]
+    full = ckptlib.export(original, tmp_path / "original", states=["exp_avg", "exp_avg_sq"])
+    with safe_open(str(Path(full.out) / "model.safetensors"), "pt") as f:
+        wanted = set(f.keys())
+    code, planned = _cli("export", folder, tmp_path / "plan", "--states", "exp_avg,exp_avg_sq", "--plan")
+    assert code == 0, planned
+    code, said = _cli("export", folder, tmp_path / "univ", "--states", "exp_avg,exp_avg_sq")
+    assert code == 0, said
+    with safe_open(str(tmp_path / "univ" / "model.safetensors"), "pt") as f:
+        lacks = wanted - set(f.keys())
+    assert lacks and all(n.split(".")[-1] in BUFFER_KEYS for n in lacks)  # the buffers, and nothing else
+    for text in (planned, said):
+        line = next(x for x in text.splitlines() if "not in the export" in x)
+        assert all(f"buffer {n}" in line for n in lacks) and "strict=False" in line, line
+    code, text = _cli("export", ours, tmp_path / "ours", "--plan")
+    assert code == 0 and "not in the export" not in text, text
+
+
 def test_a_layer_without_state_keeps_its_file(parallel_fixtures, tmp_path):
     """pp2_dp1_z1_bf16_act has a layer module without state (layer 6), whose empty file DeepSpeed needs to load: the
     native reshard to one stage moves it (tests/test_mesh_reshard.py loads it), ckptlib's universal folder copies it

@@ -15,7 +15,7 @@ from ..deepspeed import Checkpoint, hf, open_checkpoint
 from ..deepspeed.exactness import require_exact, value_proofs
 from ..dtypes import BY_SHORT, OUTPUT_DTYPES, is_floating
 from ..errors import CkptError
-from ..io.crc import entries_touching
+from ..io.crc import attach_crc
 from ..kinds.adapters import looks_like_adapter
 from ..kinds.optimizers import describe as describe_families
 from ..io.streaming import DEFAULT_CHUNK_BYTES
@@ -35,7 +35,7 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
                 max_shard_size: Union[int, str] = "5GB", exclude_frozen: bool = False,
                 states: Sequence[str] = (), workers: int = 1, overwrite: bool = False,
                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, tp_rules=None, hf_files: bool = True,
-                sync: bool = True, dcp: Optional[dict] = None, verify_crc: bool = False,
+                sync: bool = True, dcp: Optional[dict] = None, verify_crc: bool = True,
                 model_config: ModelConfig = None, adapter: Optional[bool] = None,
                 adapter_config: Union[str, os.PathLike, dict, None] = None) -> ExportPlan:
     """Plan the export of consolidated weights (and optionally optimizer states); reads no tensor data.
@@ -73,8 +73,8 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
             adapter and the format is safetensors (a note says so); False: the PeftModel's tensors under DeepSpeed's
             names, as any model. ``adapter_config``: its ``adapter_config.json`` (path, folder or dict; default: the
             one beside the tag).
-        verify_crc: verify the CRC-32 of every zip member of the checkpoint the export reads, before writing
-            (one more read of those bytes; a mismatch is refused, naming the file and member).
+        verify_crc: check the CRC-32 of every zip member of the checkpoint the export reads, as its bytes stream
+            (default; a mismatch is refused, naming the file and member, and nothing is written; False: unchecked).
         sync: put the output on disk before it appears under its name (default; see :class:`~ckptlib.plan.Plan`).
             False leaves the writing to the kernel after the run, as ``torch.save`` and DeepSpeed do:
             faster, still atomic against a killed or failing run, but not against a power cut.
@@ -107,6 +107,7 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
         optimizer = bool((dcp or {}).get("optimizer") or states)
         plan.notes += _masters_notes(ck, dtype, list(ck.optimizer.state_keys) if optimizer and ck.optimizer else [],
                                      optimizer)
+        plan.notes += absent_notes(ck)
         return plan
     if dcp:
         raise CkptError("layout and optimizer options are for --format dcp")
@@ -141,8 +142,6 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
     checks = [RangeCheck(what, tuple(a), tuple(b), a[0].dtype if a else "float32")  # compared as stored
               for f in files for t in f.tensors for what, a, b in ck.replica_checks(t.source, t.key)
               if t.kind != "tied"] + value_proofs(ck)
-    crc = entries_touching(ck.zip_entries(), [r for f in files for t in f.tensors for r in t.ranges] +
-                           [r for c in checks for r in c.a + c.b]) if verify_crc else []
     if peft is None:
         side, side_notes = _side_files(ck, out_dtype) if hf_files and not layout_files else ([], [])
     if layout_files:  # the config given for the layout, the rest of what from_pretrained reads from beside the checkpoint
@@ -151,13 +150,30 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
         side_notes = layout_notes
     files += [f for f in side if isinstance(f, CopyFile)]
     finals = [f for f in side if isinstance(f, TextFile)] + finals
-    return ExportPlan(source=ck.source_ref(), out=Path(out).expanduser().resolve(), files=files, finals=finals,
+    plan = ExportPlan(source=ck.source_ref(), out=Path(out).expanduser().resolve(), files=files, finals=finals,
                       format=format, dtype=dtype, max_shard_size=limit, exclude_frozen=exclude_frozen,
                       states=tuple(states), index_files=index_files, side_files=[f.name for f in side],
                       chunk_bytes=chunk_bytes, workers=workers,
                       overwrite=overwrite, sync=sync,
-                      notes=warnings + [n for n in ck.view.notes if ck.kind != "data_parallel"] + side_notes,
-                      checks=checks, crc=crc)
+                      notes=warnings + [n for n in ck.view.notes if ck.kind != "data_parallel"] + side_notes
+                      + absent_notes(ck),
+                      checks=checks)
+    return attach_crc(plan, ck.zip_entries() if verify_crc else None)
+
+
+def absent_notes(ck: Checkpoint) -> list[str]:
+    """What an export of universal folder ``ck`` cannot hold, one note per tensor the folder lacks (a pipeline's buffers
+    when ds_to_universal copied no layer files; a frozen parameter with no value), as the reshard names them; [] for a
+    native checkpoint. Metadata only."""
+    if ck.universal is None:
+        return []
+    why: dict = {}  # the reason -> the tensors it keeps out (every one named)
+    for a in ck.universal.absent:
+        what, _, reason = a.partition(": ")
+        why.setdefault(reason, []).append(what)
+    return [f"not in the export: {', '.join(whats)} ({reason}). A strict load_state_dict stops at "
+            f"{'them' if len(whats) > 1 else 'it'} as missing keys: load with strict=False (the model keeps the values "
+            "it is built with), or take them from the original checkpoint" for reason, whats in why.items()]
 
 
 def _masters_notes(ck: Checkpoint, dtype: str, states: Sequence[str], optimizer: bool = False) -> list[str]:

@@ -48,7 +48,8 @@ def diff_figure(result: "ckptlib.DiffResult", max_layers: int = 60):
     green dots on the axis, infinite changes (``||a|| = 0``) triangles at the top, layers with missing or
     reshaped tensors and nothing compared crosses in their status colour."""
     rows = layer_changes(result)[:max_layers]
-    fig = new_figure((8.0, 3.2))
+    names = [r["layer"] if len(r["layer"]) <= 32 else "…" + r["layer"][-31:] for r in rows]  # peft's are long
+    fig = new_figure((8.0, 2.6 + 0.055 * max([len(n) for n in names] + [10])))
     ax = fig.add_subplot(1, 1, 1)
     moved = [r["rel"] for r in rows if 0 < r["rel"] < math.inf]
     floor, top = (min(moved) / 10, max(moved) * 10) if moved else (1e-8, 1.0)
@@ -66,7 +67,7 @@ def diff_figure(result: "ckptlib.DiffResult", max_layers: int = 60):
     ax.set_ylim(floor / 2, top * 2)
     ax.set_xlim(-0.6, max(len(rows), 1) - 0.4)
     ax.set_xticks(list(range(len(rows))))
-    ax.set_xticklabels([r["layer"] for r in rows], rotation=60, ha="right", fontsize=7)
+    ax.set_xticklabels(names, rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("||a - b|| / ||a||", fontsize=8)
     from matplotlib.patches import Patch
 

@@ -288,11 +288,13 @@ class ExportWizard(_Wizard):
     Args:
         checkpoint: a :class:`ckptlib.Checkpoint` or a path.
         out: the output folder (default ``output/export`` under the current folder).
+        model_config: an AutoEP checkpoint's model config (``config.json``), as ``ckpt export --model-config``.
     """
 
     kind = "export"
 
-    def __init__(self, checkpoint, out: Union[str, os.PathLike] = "output/export"):
+    def __init__(self, checkpoint, out: Union[str, os.PathLike] = "output/export", model_config=None):
+        self.model_config = model_config
         super().__init__(checkpoint, out)
 
     def _options(self) -> list:
@@ -311,7 +313,7 @@ class ExportWizard(_Wizard):
         return ckptlib.plan_export(self.checkpoint, self.out.value, format=self.format.value, dtype=self.dtype.value,
                                    max_shard_size=self.max_shard_size.value.strip(), states=tuple(self.states.value),
                                    exclude_frozen=self.exclude_frozen.value, overwrite=self.overwrite.value,
-                                   sync=self.sync.value)
+                                   sync=self.sync.value, model_config=self.model_config)
 
     def _execute(self, plan, observer, cancel):
         return ckptlib.export(plan, observer=observer, cancel=cancel)
