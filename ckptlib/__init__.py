@@ -44,6 +44,7 @@ _API = {
                 "OutputError", "UnsafeCheckpointError", "UnsupportedCheckpointError"),
     ".export": ("ExportPlan", "ExportResult", "export", "plan_export"),
     ".export.merge": ("MergePlan", "MergeResult", "merge_adapter", "plan_merge"),
+    ".export.average": ("AveragePlan", "plan_average"),
     ".mesh": ("Rank",),
     ".plan": ("Plan",),
     ".progress": ("Observer",),
@@ -90,7 +91,7 @@ sys.modules[__name__].__class__ = _Package
 
 __all__ = [
     "Checkpoint", "open_checkpoint", "describe", "Rank", "plan_export", "export", "ExportPlan", "ExportResult",
-    "merge_adapter", "MergeResult", "plan_merge", "MergePlan",
+    "merge_adapter", "MergeResult", "plan_merge", "MergePlan", "plan_average", "AveragePlan",
     "Observer", "Cancelled", "plan_reshard", "reshard", "ReshardPlan", "ReshardResult",
     "plan_universal", "write_universal", "UniversalPlan", "UniversalResult", "Plan", "run", "run_distributed",
     "RunResult", "verify", "Verification", "preflight", "Preflight", "verify_loaded", "LoadVerification",

@@ -4,7 +4,7 @@ A plan names its source (:class:`SourceRef`: folders, a summary, and a stamp of 
 can tell whether the checkpoint changed since), its output folder and the files to write:
 
 - :class:`WeightsFile` — a safetensors or torch file of named tensors (an export's shards; a merge's
-  :class:`MergedTensor` s among them);
+  :class:`MergedTensor` s among them, an average's :class:`AveragedTensor` s);
 - :class:`TreeFile` — a torch file written from an object tree whose tensors are plain specs
   (:mod:`ckptlib.io.torchzip.specs`; a reshard's rank files, a universal checkpoint's fragments);
 - :class:`CopyFile` — a file copied as it is;
@@ -103,8 +103,9 @@ class Factor:
 class MergedTensor(Shaped):
     """One output tensor of a merge (:func:`ckptlib.plan_merge`): a base model's tensor (``ranges``: where the base
     file stores it) with a peft module's change merged into it, as peft's ``merge_and_unload()`` computes it:
-    ``how`` is ``"linear"`` (``W + scaling · B @ A``), ``"embedding"`` (``W + (scaling · B @ A)ᵀ``), ``"dora"``
-    (rescaled row by row to the magnitude) or ``"bias"`` (the trained bias, plus ``scaling · lora_B.bias``); the base
+    ``how`` is ``"linear"`` (``W + scaling · B @ A``), ``"embedding"`` or ``"conv1d"`` (``W + (scaling · B @ A)ᵀ``, a
+    Conv1D's weight being stored ``[in, out]``), ``"dora"`` (rescaled row by row to the magnitude), ``"dora_embedding"``
+    or ``"dora_conv1d"`` (column by column) or ``"bias"`` (the trained bias, plus ``scaling · lora_B.bias``); the base
     is rounded to ``merge_dtype`` first (``"float32"``: merged on the fp32 base) and the result is ``dtype``.
     Plain data: the arithmetic runs when the file is written (:mod:`ckptlib.io.lora_merge`)."""
 
@@ -127,6 +128,43 @@ class MergedTensor(Shaped):
     @property
     def read_bytes(self) -> int:
         return stored_bytes(self.ranges) + sum(f.read_bytes for f in self.factors)
+
+
+@dataclass
+class AveragedTensor(Shaped):
+    """One output tensor of an average of checkpoints (:func:`ckptlib.plan_average`): ``Σ w_i · x_i`` over the
+    ``terms`` ``((w_i, ranges_i), ...)``, in the order given, each ``ranges_i`` one source's value of the same
+    elements (stored ranges and zeros, ``numel`` elements each). Every element is accumulated in float64 (``acc =
+    w_1·x_1``, then ``acc = acc + w_i·x_i``; each product and sum rounded to float64), rounded to float32, then cast
+    to ``dtype`` where that is not float32. Plain data: the arithmetic runs, chunk by chunk, when the file is
+    written (:mod:`ckptlib.io.averaging`). ``source``: the parameter it averages."""
+
+    name: str
+    shape: tuple
+    dtype: str
+    terms: tuple = field(default=(), repr=False)
+    source: str = ""
+    kind: str = "averaged"
+    key: Optional[str] = None
+
+    def __post_init__(self):
+        for i, (_, ranges) in enumerate(self.terms):
+            if numel(ranges) != self.numel:
+                raise ValueError(f"averaged tensor {self.name} of shape {list(self.shape)} has {self.numel} "
+                                 f"elements; the ranges of source {i + 1} hold {numel(ranges)}")
+
+    @property
+    def weights(self) -> tuple:
+        return tuple(w for w, _ in self.terms)
+
+    @property
+    def ranges(self) -> tuple:
+        """None of its own: its bytes are computed from ``terms`` (nothing is copied as stored)."""
+        return ()
+
+    @property
+    def read_bytes(self) -> int:
+        return sum(stored_bytes(r) for _, r in self.terms)
 
 
 @dataclass
@@ -280,12 +318,15 @@ class Plan:
     sync: bool = True
     notes: list = field(default_factory=list)
     checks: list = field(default_factory=list)
-    crc: list = field(default_factory=list)  # zip members of the source whose CRC-32 a run verifies first
+    crc: list = field(default_factory=list)  # the source's zip members (ZipEntry) whose CRC-32 the run checks
+    crc_unread: int = 0  # bytes of those members the run reads for their CRC-32 alone (members read in part)
+    crc_partial: int = 0  # how many members it reads in part
+    crc_none: list = field(default_factory=list)  # files it reads tensor bytes from that record no CRC-32
+    crc_off: bool = False  # the CRC-32 check is turned off (--no-verify-crc)
 
     @property
     def read_bytes(self) -> int:
-        return sum(f.read_bytes for f in self.files) + sum(c.read_bytes for c in self.checks) + \
-            sum(e.size for e in self.crc)
+        return sum(f.read_bytes for f in self.files) + sum(c.read_bytes for c in self.checks) + self.crc_unread
 
     @property
     def write_bytes(self) -> int:
@@ -312,11 +353,29 @@ class Plan:
         lines = [f"{self.reads_text()}; {self.writes_text()}",
                  f"predicted peak memory: {human_bytes(self.predicted_peak_bytes)} ({who}, "
                  f"{human_bytes(self.chunk_bytes)} chunks; independent of the model size)"]
-        if self.crc:
-            lines.append(f"verifies the CRC-32 of {len(self.crc)} zip entries of the source before writing "
-                         f"({human_bytes(sum(e.size for e in self.crc))} read for it)")
+        lines += self.crc_lines()
         if not self.sync:
             lines.append("not synced: the output appears when written; the kernel puts it on disk after the run")
+        return lines
+
+    def crc_lines(self) -> list[str]:
+        """What the run checks of the source's CRC-32s, and what it cannot (:mod:`ckptlib.io.crc`)."""
+        if self.crc_off:
+            return ["does not check the CRC-32 of the source (--no-verify-crc): damaged tensor bytes would be copied"]
+        lines = []
+        if self.crc:
+            text = (f"checks the CRC-32 of the {len(self.crc)} zip entries it reads "
+                    f"({human_bytes(sum(e.size for e in self.crc))}) as their bytes stream, before the output is put "
+                    "in place")
+            if self.crc_partial:
+                text += (f"; {self.crc_partial} of them it reads only in part: their other "
+                         f"{human_bytes(self.crc_unread)} are read for it, after the writing")
+            lines.append(text)
+        if self.crc_none:
+            names = [Path(p).name for p in self.crc_none]
+            lines.append(f"not checked: {len(names)} file{'s' if len(names) != 1 else ''} it reads record no CRC-32 "
+                         f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}; torch's legacy format, NVMe "
+                         "swap files, safetensors and DCP files have none)")
         return lines
 
     def reads_text(self) -> str:
@@ -344,5 +403,5 @@ class Plan:
 
 
 __all__ = ["THREADS", "PROCESSES", "SourceRef", "RangeCheck", "PlannedTensor", "WeightsFile", "TreeFile", "CopyFile",
-           "DistcpFile", "BlobFile", "TextFile", "Factor", "MergedTensor",
+           "DistcpFile", "BlobFile", "TextFile", "Factor", "MergedTensor", "AveragedTensor",
            "Plan"]

@@ -27,7 +27,7 @@ def _config(fx):
 
 def test_names_map_as_peft_saves_them(peft_fixtures):
     """Every fixture: the mapping of the PeftModel's (DeepSpeed's) names is peft's own get_peft_model_state_dict's."""
-    assert len(peft_fixtures) == 14
+    assert len(peft_fixtures) == 19
     for fx in peft_fixtures.values():
         ref = _reference(fx)
         mapping = A.adapter_names(ref["fp32"], _config(fx))
@@ -100,7 +100,7 @@ def test_inspect_names_the_adapter_and_the_16bit_file(peft_fixtures):
         assert a["modules_to_save"] == (["lm_head"] if fx["method"] == "lora-all" else [])
         assert a["tensors"] == len(_reference(fx)["fp32"]) and not a["base_in_checkpoint"]
         assert a["weights_file"]["status"] == "16-bit copy of the masters", (fx["name"], a["weights_file"])
-        if fx["method"] == "lora-emb" and fx["zero_stage"] == 2:  # at ZeRO-3 the Trainer gives peft no frozen weight
+        if fx["method"] in ("lora-emb", "dora-emb") and fx["zero_stage"] == 2:  # ZeRO-3: peft gets no frozen weight
             assert "base weights peft saves for a targeted embedding" in a["weights_file"]["detail"]
         assert f"adapter     peft {cfg.method}: r={cfg.r}" in text and "16-BIT COPY OF THE MASTERS" in text
         assert "base weights: not in the checkpoint" in text
@@ -308,6 +308,12 @@ def _peft_merged(fx, adapter_dir, dtype):
     return PeftModel.from_pretrained(base, adapter_dir).merge_and_unload().state_dict()
 
 
+def _tied(fx) -> dict:
+    """``{alias: owner}`` of the base's tied weights (GPT-2: lm_head.weight is transformer.wte.weight)."""
+    config = json.loads((fx["base_path"] / "config.json").read_text())
+    return {"lm_head.weight": "transformer.wte.weight"} if config.get("tie_word_embeddings") else {}
+
+
 def test_merge_equals_peft_merge_and_unload_bit_for_bit(peft_fixtures, tmp_path):
     """Acceptance (issue 31): every fixture, both --merge-on modes: the merged export holds, bit for bit, what peft's
     own merge_and_unload() gives on the same base (loaded in bf16 for base-dtype, fp32 for fp32) with the exported
@@ -329,19 +335,23 @@ def test_merge_equals_peft_merge_and_unload_bit_for_bit(peft_fixtures, tmp_path)
             result = merge_adapter(ckpt, out, fx["base_path"], merge_on=mode)
             assert ckptlib.verify(result.plan).ok, (fx["name"], mode)
             assert len(result.merged) == {"lora-qv": 4, "lora-all": 14, "dora": 8, "lora-emb": 3, "lora-bias": 8,
-                                          "lora-bias-frozen": 6, "dora-bias-all": 8}[fx["method"]]
+                                          "lora-bias-frozen": 6, "dora-bias-all": 8, "dora-emb": 3, "gpt2-lora": 6,
+                                          "gpt2-dora": 6}[fx["method"]]
             assert len(result.biases) == {"lora-bias": 8, "lora-bias-frozen": 6, "dora-bias-all": 14}.get(fx["method"], 0)
             assert result.replaced == (["lm_head.weight"] if fx["method"] == "lora-all" else [])
             assert 1e-5 < result.mode_gap < 1e-2 and "apart here" in result.notes[1]
             theirs = _peft_merged(fx, adapter_dir, dtype)
             mine = load_file(out / "model.safetensors")
-            assert set(mine) == set(theirs), fx["name"]
+            tied = _tied(fx)  # GPT-2's lm_head: the base (save_pretrained) holds wte only, as the merge does
+            assert set(mine) == set(theirs) - set(tied), fx["name"]
+            assert all(torch.equal(theirs[alias], theirs[owner]) for alias, owner in tied.items())
             for k, v in mine.items():
                 assert v.dtype == dtype and torch.equal(v, theirs[k].to(dtype)), (fx["name"], mode, k)
             model = AutoModelForCausalLM.from_pretrained(out)
             assert model.dtype == dtype
             loaded = model.state_dict()
             assert all(torch.equal(loaded[k], v) for k, v in mine.items())
+            assert all(torch.equal(loaded[alias], mine[owner]) for alias, owner in tied.items())
 
 
 def test_per_module_rank_and_alpha_are_peft_s(peft_fixtures, tmp_path):
@@ -349,7 +359,7 @@ def test_per_module_rank_and_alpha_are_peft_s(peft_fixtures, tmp_path):
     end of the module path): the r, alpha and scaling ckptlib gives every targeted module of the three pattern runs are
     those of the LoraLayers peft builds from the same adapter_config.json (layers.1's q_proj takes its own r=2 before
     "q_proj"'s 8; rsLoRA's alpha / sqrt(r)). A config whose patterns give another r than the trained factors have is
-    refused before anything is written; fan_in_fan_out and DoRA on an embedding stay refused, saying why."""
+    refused before anything is written, and so is one that says use_dora where the checkpoint has no magnitude."""
     pytest.importorskip("peft")
     from peft.tuners.lora import LoraLayer
 
@@ -378,14 +388,162 @@ def test_per_module_rank_and_alpha_are_peft_s(peft_fixtures, tmp_path):
                                         r"model.layers.1.self_attn.q_proj r=8"):
         merge_adapter(fx["checkpoint_path"], tmp_path / "x", fx["base_path"],
                       adapter_config=dict(raw, rank_pattern={"q_proj": 8}))
-    with pytest.raises(CkptError, match="fan_in_fan_out"):
-        merge_adapter(fx["checkpoint_path"], tmp_path / "x", fx["base_path"],
-                      adapter_config=dict(raw, fan_in_fan_out=True))
     emb = peft_fixtures["peft_lora_emb_z2"]
     raw = json.loads((emb["checkpoint_path"] / A.CONFIG_FILE).read_text())
-    with pytest.raises(CkptError, match="DoRA on an embedding"):
+    with pytest.raises(CkptError, match="config sets use_dora, but model.embed_tokens has no DoRA magnitude"):
         merge_adapter(emb["checkpoint_path"], tmp_path / "x", emb["base_path"], adapter_config=dict(raw, use_dora=True))
+    dora = peft_fixtures["peft_dora_emb_z2"]
+    raw = json.loads((dora["checkpoint_path"] / A.CONFIG_FILE).read_text())
+    with pytest.raises(CkptError, match="does not set use_dora, but model.embed_tokens has a DoRA magnitude"):
+        merge_adapter(dora["checkpoint_path"], tmp_path / "x", dora["base_path"],
+                      adapter_config=dict(raw, use_dora=False))
     assert not (tmp_path / "x").exists()
+
+
+# ------------------------------------------------------------------------------------------------ Conv1D, DoRA embedding
+NEW_RUNS = ("peft_gpt2_lora_z2", "peft_gpt2_lora_z3", "peft_gpt2_dora_z2", "peft_dora_emb_z2", "peft_dora_emb_z3")
+
+
+def test_gpt2_and_dora_embedding_runs_are_named_and_planned_as_peft_merges_them(peft_fixtures, tmp_path):
+    """The runs of issue 40: GPT-2 (tied embeddings; its c_attn and c_proj are transformers' Conv1D, the weight stored
+    [in, out]) with LoRA at ZeRO-2 and ZeRO-3 and DoRA at ZeRO-2, and DoRA on an embedding (with q_proj) at ZeRO-2 and
+    ZeRO-3. peft set fan_in_fan_out in the saved config itself (train.py's LoraConfig leaves it unset); the Trainer's
+    save leaves out the frozen wte and so its tied alias lm_head, which inspect says in a note, not as a problem;
+    inspect names fan_in_fan_out and DoRA on the embedding; the merge plans each Conv1D weight (the square attention
+    c_proj too) and the embedding as such."""
+    import ckptlib
+    from ckptlib.plan import MergedTensor
+    from tests.fixtures.peft.train import METHODS
+
+    hows = {"gpt2-lora": {"conv1d"}, "gpt2-dora": {"dora_conv1d"}, "dora-emb": {"dora_embedding", "dora"}}
+    for name in NEW_RUNS:
+        fx = peft_fixtures[name]
+        gpt2 = fx["method"].startswith("gpt2")
+        cfg = _config(fx)
+        assert not METHODS[fx["method"]].get("fan_in_fan_out") and cfg.fan_in_fan_out == gpt2, name
+        d, text = _inspect(fx["checkpoint_path"])
+        a = d["adapter"]
+        assert a["fan_in_fan_out"] == gpt2 and not d["problems"], (name, d["problems"])
+        assert a["dora_embeddings"] == ([] if gpt2 else ["model.embed_tokens"])
+        assert a["weights_file"]["status"] == "16-bit copy of the masters"
+        if gpt2:
+            assert "layers: fan_in_fan_out (peft's flag for Conv1D layers, whose weights are stored transposed" in text
+            assert d["notes"] == ["tied parameter base_model.model.lm_head.weight shares base_model.model.transformer."
+                                  "wte.weight, a frozen parameter the save left out (exclude_frozen_parameters): "
+                                  "neither is in the checkpoint"]
+        else:
+            assert "layers: DoRA on the embedding model.embed_tokens (a magnitude per hidden feature" in text
+        plan = ckptlib.plan_merge(fx["checkpoint_path"], tmp_path / name, fx["base_path"])
+        merged = {t.name: t.how for t in plan.tensors if isinstance(t, MergedTensor)}
+        assert set(merged.values()) == hows[fx["method"]], (name, merged)
+        if gpt2:
+            assert set(merged) == {f"transformer.h.{i}.{m}.weight" for i in (0, 1)
+                                   for m in ("attn.c_attn", "attn.c_proj", "mlp.c_proj")}
+        else:
+            assert merged["model.embed_tokens.weight"] == "dora_embedding"
+    full = ckptlib.open_checkpoint(peft_fixtures["peft_gpt2_lora_z3"]["full_save_path"])
+    assert [p.tied_to for p in full.parameters if p.name == "base_model.model.lm_head.weight"] == \
+        ["base_model.model.transformer.wte.weight"]  # saved with the frozen weights: the tie as DeepSpeed records it
+
+
+def test_conv1d_layers_are_transformers_own():
+    """ckptlib.kinds.adapters.CONV1D_LAYERS, the model types whose linear layers are Conv1D: every Conv1D module of a
+    tiny model of each type (with cross-attention where it has one: q_attn) is named in the table, and no nn.Linear."""
+    from transformers import AutoConfig, AutoModel
+    from transformers.pytorch_utils import Conv1D
+
+    for model_type, layers in A.CONV1D_LAYERS.items():
+        kw = dict(n_layer=1, n_head=2, vocab_size=17, n_positions=8)
+        if model_type == "decision_transformer":
+            kw.update(hidden_size=8, state_dim=3, act_dim=2, max_ep_len=8)
+        else:
+            kw.update(n_embd=8)
+        if model_type != "openai-gpt":
+            kw["add_cross_attention"] = True
+        model = AutoModel.from_config(AutoConfig.for_model(model_type, **kw))
+        conv = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, Conv1D)}
+        linear = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        assert conv == set(layers) and not linear & conv, (model_type, conv, linear)
+
+
+def test_which_layers_are_conv1d_or_a_refusal():
+    """A model of the table is told by its layers' names (a shape that disagrees: another model); another by the
+    shapes, a square layer taken for an nn.Linear only while nothing says the model has Conv1D layers."""
+    gpt2 = {"h.0.attn.c_attn": ((64, 192), 64, 192), "h.0.attn.c_proj": ((64, 64), 64, 64), "lm_head": ((99, 64), 64, 99)}
+    assert A.conv1d_modules(gpt2, "gpt2", True) == {"h.0.attn.c_attn", "h.0.attn.c_proj"}
+    with pytest.raises(CkptError, match=r"h.0.attn.c_attn.weight is \[192, 64\], the adapter's is \[64, 192\] \(a gpt2 "
+                                        r"c_attn is a Conv1D, stored \[in, out\]\): another model"):
+        A.conv1d_modules(dict(gpt2, **{"h.0.attn.c_attn": ((192, 64), 64, 192)}), "gpt2", True)
+    llama = {"q_proj": ((64, 64), 64, 64), "up_proj": ((172, 64), 64, 172)}
+    assert A.conv1d_modules(llama, "llama", False) == set() and A.conv1d_modules(llama, None, False) == set()
+    assert A.conv1d_modules({"c_fc": ((64, 256), 64, 256)}, "mystery", True) == {"c_fc"}  # the shape says it
+    for layers, flag in ((llama, True), (dict(llama, c_fc=((64, 256), 64, 256)), False)):
+        with pytest.raises(CkptError, match="q_proj.weight is square, in a model .model_type 'mystery'. whose Conv1D "
+                                            "layers ckptlib does not know") as e:
+            A.conv1d_modules(layers, "mystery", flag)
+        assert "merge_and_unload()" in e.value.hint
+    with pytest.raises(CkptError, match=r"up_proj.weight is \[3, 64\], the adapter's is \[172, 64\]: another model"):
+        A.conv1d_modules({"up_proj": ((3, 64), 64, 172)}, "llama", False)
+
+
+def test_gpt2_merge_refused_where_the_base_cannot_tell_its_conv1d_layers(peft_fixtures, tmp_path):
+    """The GPT-2 run merged on its base whose config.json names another model type: the square attention c_proj
+    (64 x 64) could be an nn.Linear or a Conv1D, and the merge is refused, naming it, before anything is written."""
+    import shutil
+
+    from ckptlib.export.merge import merge_adapter
+
+    fx = peft_fixtures["peft_gpt2_lora_z2"]
+    base = tmp_path / "base"
+    shutil.copytree(fx["base_path"], base)
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps(dict(config, model_type="my-gpt")))
+    with pytest.raises(CkptError, match=r"transformer.h.0.attn.c_proj.weight is square, in a model \(model_type "
+                                        r"'my-gpt'\) whose Conv1D layers ckptlib does not know, and 4 of its targeted "
+                                        r"layers are stored \[in, out\]"):
+        merge_adapter(fx["checkpoint_path"], tmp_path / "x", base)
+    assert not (tmp_path / "x").exists()
+
+
+def test_module_rows_and_the_view_of_conv1d_and_dora_embedding_runs(peft_fixtures):
+    """AdapterView's module table and movement figure on the GPT-2 runs (Conv1D weights [in, out]) and DoRA on the
+    embedding: one row per targeted weight; ‖scaling · B·A‖_F and ‖W‖_F are torch's own, in float64, from the live
+    engine's masters and the base's weights (a transposed layout changes neither); the picture's facts are the rows."""
+    import math
+
+    from safetensors.torch import load_file
+
+    from ckptlib.ui import AdapterView
+    from ckptlib.ui.pictures import facts_in_html
+
+    for name in ("peft_gpt2_lora_z3", "peft_gpt2_dora_z2", "peft_dora_emb_z2"):
+        fx = peft_fixtures[name]
+        cfg = _config(fx)
+        masters = _reference(fx)["fp32"]
+        base = load_file(fx["base_path"] / "model.safetensors")
+        want = {}
+        for n, a in masters.items():
+            for part_a, part_b in ((".lora_A.", ".lora_B."), (".lora_embedding_A.", ".lora_embedding_B.")):
+                if part_a in n:
+                    module = n[len(A.PREFIX):n.index(part_a)]
+                    b = masters[n.replace(part_a, part_b)]
+                    delta = cfg.scaling * (b.double() @ a.double())
+                    want[module + ".weight"] = (torch.linalg.norm(delta).item(),
+                                                torch.linalg.norm(base[module + ".weight"].double()).item())
+        view = AdapterView(fx["checkpoint_path"], base=fx["base_path"])
+        assert not view.errors.errors, view.errors.message.value
+        rows = {r["tensor"]: r for r in view.rows}
+        assert set(rows) == set(want) and len(rows) in (3, 6), name
+        for tensor, (delta, norm) in want.items():
+            r = rows[tensor]
+            assert r["method"] == cfg.method and r["scaling"] == cfg.scaling, (name, r)
+            assert math.isclose(r["delta_norm"], delta, rel_tol=1e-9) and math.isclose(r["base_norm"], norm, rel_tol=1e-9)
+            assert f"<td>{tensor}</td>" in view.table.value
+        (kind, facts), = facts_in_html(view.figure.value)
+        assert kind == "adapter" and {f["tensor"]: f["delta_norm"] for f in facts} == \
+            {t: r["delta_norm"] for t, r in rows.items()}
+        if cfg.use_dora:
+            assert "before the magnitude rescale" in view.figure.value
 
 
 def test_merge_reads_a_sharded_base_and_refuses_with_reasons(peft_fixtures, tmp_path):
@@ -668,8 +826,8 @@ print(json.dumps(out))
 def test_merging_a_tensor_holds_no_more_than_the_plan_says(tmp_path):
     """What merging one tensor holds (measured: the kernel's peak resident set, reset before each, with every large
     allocation returned to the kernel when freed) stays within arithmetic_bytes, which the plan's predicted peak
-    adds to its streaming buffers: a linear, DoRA and embedding weight of 2048 x 2048 and a bias, merged on bf16
-    and on fp32."""
+    adds to its streaming buffers: a linear, Conv1D, embedding weight of 2048 x 2048 (plain and DoRA) and a bias,
+    merged on bf16 and on fp32."""
     import os
     import pickle
     import subprocess
@@ -693,6 +851,7 @@ def test_merging_a_tensor_holds_no_more_than_the_plan_says(tmp_path):
         return Factor(role, name, held[name][1], held[name][0])
 
     parts = {"linear": ("w", ("A", "B")), "dora": ("w", ("A", "B", "m")), "embedding": ("w", ("A", "B")),
+             "conv1d": ("w", ("A", "B")), "dora_conv1d": ("w", ("A", "B", "m")), "dora_embedding": ("w", ("A", "B", "m")),
              "bias": ("b", ("tb", "lb"))}
     roles = {"A": "A", "B": "B", "m": "magnitude", "tb": "bias", "lb": "lora_bias"}
     tensors = [MergedTensor(base, held[base][1], md, how, md, 2.0, tuple(factor(roles[x], x) for x in names),

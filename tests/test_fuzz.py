@@ -1,12 +1,15 @@
 """Seeded fuzzing of real checkpoints: a few hundred mutations (bit flips, overwritten and zeroed runs,
 truncations, appended bytes, deleted, duplicated and swapped rank files, odd ``latest`` files) of DeepSpeed's
-own files, each exported with ``verify_crc``.
+own files, each exported as a user would, without flags (the CRC-32 of every zip member it reads is checked by
+default, as its bytes stream: issue 40).
 
 The property (issue 21): an export either refuses with ckptlib's one clear error (a :class:`CkptError`
 naming a file or folder: never another exception), or succeeds with output bit-equal to the export of the
 undamaged checkpoint, and then every mutated byte provably lies outside the bytes that export reads (the
-plan's byte ranges and the zip members whose CRC-32 it verifies): damage to bytes the output depends on never
-passes. The source is restored byte for byte after each mutation.
+plan's byte ranges and the zip members whose CRC-32 it checks): damage to bytes the output depends on never
+passes. A changed byte inside a zip member the export reads (tensor payload included) is always refused
+(issue 40: it used to export silently wrong without ``--verify-crc``). The source is restored byte for byte
+after each mutation.
 """
 from __future__ import annotations
 
@@ -100,23 +103,28 @@ def _read_bytes(plan) -> dict[str, list]:
 
 def _exports_under_damage(source: Path, root: Path, tmp_path: Path, mutate, count: int, names_it) -> dict:
     """``count`` seeded mutations of the files under ``root`` (``mutate()``: ``(what, changed)``, see
-    :func:`_mutate`), each undone after an export of ``source`` (the fp32 masters and exp_avg, every CRC-32 it reads
-    verified): a refusal is one CkptError with a path (``names_it(error, changed)``: it names the damaged file),
-    leaving no output; a successful export is byte for byte the undamaged one's, the damage outside every byte it
-    reads. Returns ``{"refused": n, "exact": n}``."""
+    :func:`_mutate`), each undone after an export of ``source`` with the defaults (the fp32 masters and exp_avg,
+    every CRC-32 it reads checked): a refusal is one CkptError with a path (``names_it(error, changed)``: it names
+    the damaged file), leaving no output; a change inside a zip member the export reads is always refused; a
+    successful export is byte for byte the undamaged one's, the damage outside every byte it reads. Returns
+    ``{"refused": n, "exact": n, "member refused": n}`` (the last: changes inside a member the export reads)."""
     original = _files(root)
-    clean = ckptlib.plan_export(source, tmp_path / "ref", verify_crc=True, hf_files=False, states=["exp_avg"])
+    clean = ckptlib.plan_export(source, tmp_path / "ref", hf_files=False, states=["exp_avg"])
+    assert clean.crc and not clean.crc_off
     used = _read_bytes(clean)
+    members = [(e.path, e.offset, e.offset + e.size) for e in clean.crc]
     ckptlib.export(clean)
     reference = {p.relative_to(tmp_path / "ref"): p.read_bytes() for p in (tmp_path / "ref").rglob("*") if p.is_file()}
-    outcomes: dict = {"refused": 0, "exact": 0}
+    outcomes: dict = {"refused": 0, "exact": 0, "member refused": 0}
     for i in range(count):
         what, changed = mutate(original)
+        inside = any(p == q and a < hi and lo < b for p, a, b in changed for q, lo, hi in members)
         out = tmp_path / f"out{i}"
         try:
-            ckptlib.export(source, out, verify_crc=True, hf_files=False, states=["exp_avg"])
+            ckptlib.export(source, out, hf_files=False, states=["exp_avg"])
         except CkptError as e:
             outcomes["refused"] += 1
+            outcomes["member refused"] += inside
             assert e.path or str(source) in str(e), (what, str(e))
             if changed:  # damage inside one file: the error names that file (the one to restore)
                 assert names_it(e, changed), (what, str(e))
@@ -124,6 +132,7 @@ def _exports_under_damage(source: Path, root: Path, tmp_path: Path, mutate, coun
         except Exception as e:  # noqa: BLE001 - anything else is a bug the fuzzing found
             raise AssertionError(f"{what}: {type(e).__name__}: {e}") from e
         else:
+            assert not inside, f"{what}: a changed byte inside a zip member the export reads was exported"
             outcomes["exact"] += 1
             got = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
             assert got == reference, f"{what}: a successful export differs from the undamaged source's"
@@ -142,7 +151,7 @@ def test_a_successful_export_of_a_mutated_checkpoint_is_exact(fixture_by_name, t
     rng = random.Random(f"{SEED}-{name}")
     outcomes = _exports_under_damage(ckpt, ckpt, tmp_path, lambda original: _mutate(rng, tag, ckpt, original),
                                      MUTATIONS, lambda e, changed: any(Path(p).name in str(e) for p, _, _ in changed))
-    assert outcomes["refused"] > MUTATIONS // 3 and outcomes["exact"] > 0, outcomes
+    assert outcomes["refused"] > MUTATIONS // 3 and outcomes["exact"] > 0 and outcomes["member refused"] > 5, outcomes
 
 
 # ============================================================================================ local zip headers
@@ -163,7 +172,8 @@ def _local_headers(path: Path) -> list[tuple[str, int]]:
 @pytest.mark.parametrize("name", ["z3_bf16_w2", "z2_bf16_w2"])
 def test_a_damaged_local_zip_header_is_refused_naming_the_file_or_changes_nothing(fixture_by_name, tmp_path, name):
     """Every field of the local headers of every file kind (model states, optimizer states), changed one at a time
-    by a seeded amount, WITHOUT --verify-crc (the CRC-32 check that used to be the only guard): the export is
+    by a seeded amount, with the CRC-32 check off (--no-verify-crc: it was once the only guard, and a header's CRC
+    field must be proven without it): the export is
     refused naming the damaged file, or it is byte for byte the undamaged one's (for the fields no reader uses).
     A changed extra or name length used to move where a member's data was read from: the bool buffer ``mask`` of a
     ZeRO-3 rank file came out of other bytes (issue 33)."""
@@ -192,7 +202,7 @@ def test_a_damaged_local_zip_header_is_refused_naming_the_file_or_changes_nothin
         what = f"{f.name} {member} {field} {old} -> {new}"
         out = tmp_path / f"out{i}"
         try:
-            ckptlib.export(ckpt, out, hf_files=False, states=["exp_avg"])
+            ckptlib.export(ckpt, out, hf_files=False, states=["exp_avg"], verify_crc=False)
         except CkptError as e:
             seen["refused"] += 1
             assert f.name in str(e) or str(f) in str(e), (what, str(e))
@@ -232,7 +242,8 @@ def test_the_extra_length_of_a_zero3_rank_files_local_header_is_refused_naming_t
 def test_every_command_names_the_file_it_finds_damaged(fixture_by_name, parallel_fixtures, legacy_fixtures, tmp_path,
                                                        name):
     """Seeded damage inside one rank file (flipped, overwritten or zeroed bytes, anywhere: pickle, headers,
-    tensor data), WITHOUT --verify-crc, through inspect, check --states, export --states and reshard: a refusal
+    tensor data), with the defaults (export and reshard check the CRC-32 of what they read), through inspect,
+    check --states, export --states and reshard: a refusal
     names the damaged file, and so does at least one of the problems inspect and check list (issue 33: the user
     must know which of the files to restore; a comparison of two copies names both files). Also on files in torch's
     legacy serialization (ZeRO-3 and a pipeline; issue 32)."""
@@ -305,7 +316,8 @@ def test_a_mutated_legacy_checkpoint_is_refused_naming_the_file_or_exported_exac
     shutil.copytree(fx["checkpoint_path"], ckpt)
     tag = ckpt / "global_step2"
     original = _files(ckpt)
-    clean = ckptlib.plan_export(ckpt, tmp_path / "ref", verify_crc=True, hf_files=False, states=["exp_avg"])
+    clean = ckptlib.plan_export(ckpt, tmp_path / "ref", hf_files=False, states=["exp_avg"])
+    assert not clean.crc and clean.crc_none  # the plan says these files record no CRC-32
     used = _read_bytes(clean)
     ckptlib.export(clean)
     reference = {p.relative_to(tmp_path / "ref"): p.read_bytes() for p in (tmp_path / "ref").rglob("*") if p.is_file()}
@@ -315,7 +327,7 @@ def test_a_mutated_legacy_checkpoint_is_refused_naming_the_file_or_exported_exac
         what, changed = _mutate(rng, tag, ckpt, original)
         out = tmp_path / f"out{i}"
         try:
-            ckptlib.export(ckpt, out, verify_crc=True, hf_files=False, states=["exp_avg"])
+            ckptlib.export(ckpt, out, hf_files=False, states=["exp_avg"])
         except CkptError as e:
             seen["refused"] += 1
             assert e.path or str(ckpt) in str(e), (what, str(e))
@@ -357,7 +369,8 @@ def _mutate_any(rng: random.Random, files: list, original: dict) -> tuple[str, l
 def test_a_mutated_universal_folder_is_refused_naming_the_file_or_exported_exactly(fixture_by_name, tmp_path, name):
     """Issue 32: universal folders are sources; damage to any of their files (zero/<parameter>/*.pt, the optimizer
     state, the copied model-states files) is one CkptError naming the file, or the export (masters and exp_avg,
-    every CRC-32 read verified) is byte for byte the undamaged folder's and the damage lay outside what it reads."""
+    every CRC-32 read checked, by default) is byte for byte the undamaged folder's and the damage lay outside what it
+    reads; a change inside a zip member it reads is always refused."""
     fx = fixture_by_name(name)
     root = Path(ckptlib.write_universal(fx["checkpoint_path"], tmp_path / "uc").out)
     uni = root / f"{fx['tag']}_universal"

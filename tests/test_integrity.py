@@ -169,14 +169,14 @@ def test_a_flipped_bit_in_tensor_data_is_found_by_its_crc(fixture_by_name, tmp_p
         crc = [p for p in json.loads(r.stdout)["problems"] if p["tensor"] == "zip entry"]
         assert len(crc) == 1 and crc[0]["file"].endswith(f.name) and entry in crc[0]["what"], crc
     out = tmp_path / "out"
-    for args in (["export", ckpt, out, "--verify-crc"], ["reshard", ckpt, out, "--world-size", "3", "--verify-crc"],
-                 ["reshard", ckpt, out, "--universal", "--verify-crc"]):
+    for args in (["export", ckpt, out], ["reshard", ckpt, out, "--world-size", "3"], ["reshard", ckpt, out, "--universal"],
+                 ["export", ckpt, out, "--verify-crc"]):  # checked by default (issue 40); --verify-crc: the default
         r = _cli(*args)
         assert r.returncode == 2 and f.name in r.stderr and entry in r.stderr and "CRC-32" in r.stderr, r.stderr
         assert not out.exists()
-    assert _cli("export", ckpt, out).returncode == 0  # without the flag nothing reads the whole entry
-    r = _cli("export", fixture_by_name(name)["checkpoint_path"], tmp_path / "clean", "--verify-crc", "--plan")
-    assert r.returncode == 0 and "verifies the CRC-32 of" in r.stdout, r.stdout
+    assert _cli("export", ckpt, out, "--no-verify-crc").returncode == 0  # unchecked: the damage is copied
+    r = _cli("export", fixture_by_name(name)["checkpoint_path"], tmp_path / "clean", "--plan")
+    assert r.returncode == 0 and "checks the CRC-32 of the" in r.stdout, r.stdout
 
 
 def test_a_damaged_pickle_is_refused_by_its_crc(fixture_by_name, tmp_path):

@@ -225,7 +225,8 @@ def test_adapter_wizard_cancel_leaves_nothing_and_shows_refusals(peft_fixtures, 
                       adapter_config=dict(raw, use_dora=True))
     w.plan_button.click()
     assert w.plan is None and w.run_button.disabled
-    assert "DoRA on an embedding" in w.errors.message.value and "hint:" in w.errors.message.value
-    assert "merge_and_unload()" in w.errors.message.value and "Traceback" not in w.errors.message.value
+    assert "config sets use_dora, but model.embed_tokens has no DoRA magnitude" in w.errors.message.value
+    assert "hint:" in w.errors.message.value and "give the adapter_config.json the run saved" in w.errors.message.value
+    assert "Traceback" not in w.errors.message.value
     alone = AdapterWizard(emb["checkpoint_path"], out=tmp_path / "a")
     assert [v for _, v in alone.action.options] == ["export"] and "no base given" in alone.base_note.value

@@ -132,7 +132,8 @@ def _zero3_padding(ck, rank: int, path: str, numel: int) -> torch.Tensor:
 @pytest.mark.parametrize("name,m", [("z1_fp32_w4", 3), ("z2_bf16_w2", 3), ("z1_bf16_w3", 4), ("bf16opt_w3", 2),
                                     ("z2_align_w3", 2), ("z2_roundrobin_w2", 3), ("z3_bf16_w3", 2),
                                     ("z3_fp32_w4", 3), ("z3_subgroup_w3", 2), ("exclude_frozen_z3_w3", 4),
-                                    ("z3_fp16_w2", 1)])
+                                    ("z3_fp16_w2", 1),
+                                    ("z3_bf16_w2", 40)])  # ranks whose partition of a sub-group is all padding
 def test_n_to_m_to_n_gives_the_source_back(fixture_by_name, tmp_path, name, m):
     fx = fixture_by_name(name)
     src = ckptlib.open_checkpoint(fx["checkpoint_path"])

@@ -4,7 +4,7 @@ The test builds ckptlib's wheel from this source tree, makes a fresh venv and in
 with its dependencies (numpy, safetensors, tqdm: from the package index or pip's cache), under a
 constraint that makes pip fail rather than fetch torch. In that venv, on checkpoints DeepSpeed wrote
 (ZeRO-2 bf16, ZeRO-3 fp16, Megatron-style tensor parallel), the ``ckpt`` script runs inspect, export
-(safetensors, torch format, bf16), reshard (and ``--universal``), check and diff; every output is byte for
+(safetensors, torch format, bf16), reshard (and ``--universal``), average, check and diff; every output is byte for
 byte what the development venv (with torch) writes. What needs torch says so in one line.
 """
 from __future__ import annotations
@@ -78,6 +78,9 @@ def _commands(ckpt: Path, out: Path) -> list[tuple[str, list, int]]:
                            "--max-shard-size", "20KB"], 0),
         ("reshard", ["reshard", ckpt, out / "reshard", "--world-size", "3", "--verify"], 0),
         ("universal", ["reshard", ckpt, out / "universal", "--universal"], 0),
+        # the checkpoint and its reshard, averaged: each element 0.5 x + 0.5 x in float64, rounded to fp32 (= x)
+        ("average", ["average", ckpt, out / "reshard", out / "average", "--verify"], 0),
+        ("", ["diff", ckpt, out / "average"], 0),
         ("", ["check", ckpt, "--states"], 0),
         ("", ["diff", ckpt, out / "export"], 0),
         ("", ["diff", ckpt, out / "reshard", "--states"], 0),
@@ -86,7 +89,7 @@ def _commands(ckpt: Path, out: Path) -> list[tuple[str, list, int]]:
 
 
 @pytest.mark.parametrize("name", ["z2_bf16_w2", "z3_fp16_w3", "tp2_dp2_z1_bf16"])
-def test_the_five_commands_without_torch(name, bare_venv, fixture_by_name, parallel_fixtures, tmp_path):
+def test_the_six_commands_without_torch(name, bare_venv, fixture_by_name, parallel_fixtures, tmp_path):
     fx = parallel_fixtures[name] if name in parallel_fixtures else fixture_by_name(name)
     ckpt = Path(fx["checkpoint_path"])
     bare, full = tmp_path / "bare", tmp_path / "full"

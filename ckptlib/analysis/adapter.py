@@ -13,6 +13,7 @@ from typing import Any, Optional
 from ..deepspeed import Checkpoint
 from ..deepspeed.adapter import Adapter, find_adapter
 from ..errors import CkptError
+from ..kinds import adapters as A
 from ..units import human_bytes
 from .compare import Comparer
 from .tensorsets import checkpoint_tensors, file_tensors
@@ -111,6 +112,7 @@ def describe_adapter(ck: Checkpoint, check_file: bool = True) -> Optional[dict]:
         "target_modules": (c.target_modules if c else None), "modules_to_save": list(c.modules_to_save) if c else None,
         "rank_pattern": dict(c.rank_pattern) if c else None, "alpha_pattern": dict(c.alpha_pattern) if c else None,
         "bias": c.bias if c else None, "lora_bias": c.lora_bias if c else None,
+        "fan_in_fan_out": c.fan_in_fan_out if c else None, "dora_embeddings": A.dora_embeddings(adapter.names),
         "config": adapter.config_path, "tensors": len(adapter.names), "counts": adapter.counts,
         "trainable_elements": sum(params[n].numel for n in adapter.names),
         "base_in_checkpoint": bool(adapter.frozen), "base": adapter.base_line(),
@@ -138,6 +140,12 @@ def adapter_rows(d: Optional[dict]) -> list[tuple[str, str]]:
         if per_module or trained:
             rows.append(("", "; ".join((["per module: " + "; ".join(per_module)] if per_module else [])
                                        + (["biases: " + ", ".join(trained)] if trained else []))))
+        layers = (["fan_in_fan_out (peft's flag for Conv1D layers, whose weights are stored transposed, [in, out], as "
+                   "GPT-2's: their delta is (B @ A)ᵀ)"] if d.get("fan_in_fan_out") else []) + \
+            ([f"DoRA on the embedding {', '.join(d['dora_embeddings'])} (a magnitude per hidden feature, the "
+              "embedding's columns)"] if d.get("dora_embeddings") else [])
+        if layers:
+            rows.append(("", "layers: " + "; ".join(layers)))
     else:
         rows = [("adapter", f"a peft adapter (no {'adapter_config.json'} beside the tag: "
                             "export --adapter takes --adapter-config)")]
@@ -183,7 +191,6 @@ def module_rows(ck: Checkpoint, base=None, adapter: Optional[Adapter] = None) ->
 
     from ..io.lora_merge import base_files, base_headers, stored_ranges
     from ..io.streaming import fill_bytes
-    from ..kinds import adapters as A
     from ..layout.ranges import Zeros
 
     adapter = adapter or find_adapter(ck, required=True)
@@ -272,7 +279,6 @@ def pair_adapter_names(sa, sb) -> tuple:
     import dataclasses
     from pathlib import Path
 
-    from ..kinds import adapters as A
     from .tensorsets import open_tensor_set
 
     first: list = []

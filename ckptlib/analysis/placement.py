@@ -29,11 +29,15 @@ def masters(ckpt: Checkpoint) -> Optional[dict]:
     where there is no trainable parameter or the values cannot be read. Metadata only."""
     dtypes: dict = {}
     try:
-        for p in ckpt.parameters:
-            if p.trainable and not p.tied_to:
-                for r in ckpt.sources(p.name):
-                    if hasattr(r, "dtype"):
-                        dtypes[r.dtype] = dtypes.get(r.dtype, 0) + 1
+        ckpt.check_readable()
+        for zs in ckpt.sets.values():  # every parameter of a flat group shares its master tensor: one per group
+            seen = set()
+            for p in zs.parameters:
+                if p.trainable and not p.tied_to and (p.group not in seen or p.group is None):
+                    seen.add(p.group)
+                    for r in zs.sources(p.name):
+                        if hasattr(r, "dtype"):
+                            dtypes[r.dtype] = dtypes.get(r.dtype, 0) + 1
     except (CkptError, KeyError):
         return None
     if not dtypes:

@@ -11,7 +11,9 @@ one from any of:
 - an exported folder (``model.safetensors``, ``model-0000k-of-0000n.safetensors`` with its index,
   ``pytorch_model*.bin``), or one such file;
 - a torch.distributed.checkpoint (DCP) folder (FSDP2, torchtitan, Accelerate, ``ckpt export --format dcp``;
-  :mod:`ckptlib.dcp`): the model's tensors under their FQNs, the optimizer's per-parameter states;
+  :mod:`ckptlib.dcp`), in any of torch 2.13's storages (a folder ``HuggingFaceStorageWriter`` wrote is one: its
+  safetensors files carry DCP's sharding info; one ``save_pretrained`` wrote is an export): the model's tensors
+  under their FQNs, the optimizer's per-parameter states;
 - a universal checkpoint (a folder holding ``latest_universal``, or its ``<tag>_universal`` folder):
   ``zero/<param>/fp32.pt``, buffers and tied aliases from the model-states file copied beside it (a
   pipeline's buffers from the layer files copied beside it).
@@ -247,11 +249,15 @@ def _recorded_step(path: Path) -> Optional[float]:
 
 
 # ============================================================================================ DCP
-def dcp_tensors(path: Path, states: bool = False, steps: Optional[dict] = None) -> tuple[dict, tuple, str]:
-    """The tensors of a DCP checkpoint (metadata and each chunk's archive header): the model's under their
-    FQNs, with ``states`` each per-element optimizer state as ``<key>/<name>``, and each parameter's step (not
-    per element) put in ``steps``."""
+def dcp_tensors(path: Path, states: bool = False, steps: Optional[dict] = None,
+                notes: Optional[list] = None) -> tuple[dict, tuple, str]:
+    """The tensors of a DCP checkpoint in any storage (torch.save items, safetensors data, HuggingFaceStorageWriter's
+    files: metadata, each chunk's archive or safetensors header; overlapping pieces are compared): the model's
+    under their FQNs, with ``states`` each per-element optimizer state as ``<key>/<name>``, and each parameter's
+    step (not per element) put in ``steps``; what to know of how it was read added to ``notes``."""
     d = open_dcp(path)
+    if notes is not None:
+        notes += d.notes
     out: dict = {}
     for name, t in d.model.items():
         out[name] = NamedTensor(name, t.dtype, t.shape, tuple(d.sources(t)))
@@ -296,7 +302,7 @@ def open_tensor_set(source: Union[str, os.PathLike, Checkpoint, TensorSet], tag:
         tensors = {t.key: t for t in file_tensors(path)}
         return TensorSet(EXPORT, os.fspath(path), f"weights file {path}", tensors, (stamp(os.fspath(path)),), notes)
     if is_dcp(path):
-        tensors, stamps, layout = dcp_tensors(path, states, steps)
+        tensors, stamps, layout = dcp_tensors(path, states, steps, notes)
         return TensorSet(DCP, os.fspath(path), f"DCP checkpoint ({layout} layout) {path}", tensors, stamps, notes,
                          steps or None)
     kind = detect(path).kind if path.is_dir() else "file"

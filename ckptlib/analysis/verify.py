@@ -367,6 +367,14 @@ def _verify_merge(plan, src: Checkpoint, out: Path, cmp: Comparer, share: Share)
     return [_tally(what, total, bad) for what, total, bad in merge_tallies(plan, src, out, cmp, share)]
 
 
+def _verify_average(plan, src: Checkpoint, out: Path, cmp: Comparer, share: Share) -> list[Check]:
+    """An average of checkpoints: :func:`ckptlib.analysis.average_check.average_tallies` (every averaged tensor
+    recomputed from the sources opened afresh)."""
+    from .average_check import average_tallies
+
+    return [_tally(what, total, bad) for what, total, bad in average_tallies(plan, src, out, cmp, share)]
+
+
 # ============================================================================================ entry points
 def verify(plan: Plan, out: Optional[os.PathLike] = None, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
            progress: Callable[[int], None] = lambda n: None, cancel=None, share: Optional[Share] = None) -> Verification:
@@ -381,7 +389,7 @@ def verify(plan: Plan, out: Optional[os.PathLike] = None, *, chunk_bytes: int = 
     out = Path(out if out is not None else plan.out)
     result = Verification(out=out)
     do = {"export": _verify_export, "reshard": _verify_reshard, "universal": _verify_universal,
-          "merge": _verify_merge}.get(plan.action)
+          "merge": _verify_merge, "average": _verify_average}.get(plan.action)
     if getattr(plan, "format", None) == "dcp":
         do = _verify_dcp
     if do is None:

@@ -16,6 +16,7 @@ from .. import __version__
 from ..dtypes import OUTPUT_DTYPES
 from ..errors import CkptError, printable
 from ..units import human_bytes
+from .average import add_average_command
 from .crash import internal_error
 from .dcp import add_dcp_arguments
 from .resume import add_arguments as resume_arguments
@@ -140,13 +141,13 @@ def _merge(args: argparse.Namespace, states: list) -> int:
                              ("--format " + args.format, args.format != "safetensors"), ("--dtype", args.dtype != "fp32"),
                              ("--no-adapter", args.adapter is False), ("--workers", args.workers != 1),
                              ("--max-shard-size", args.max_shard_size != "5GB"), ("--exclude-frozen", args.exclude_frozen),
-                             ("--model-config", args.model_config), ("--no-hf-files", not args.hf_files),
-                             ("--verify-crc", args.verify_crc)) if on]
+                             ("--model-config", args.model_config), ("--no-hf-files", not args.hf_files)) if on]
     if other:
         raise CkptError(f"--merge writes the merged model alone, in the base's files and the dtype --merge-on says: "
                         f"not with {', '.join(other)}")
     plan = plan_merge(args.path, args.out, args.base, merge_on=args.merge_on, tag=args.tag,
-                      adapter_config=args.adapter_config, overwrite=args.overwrite, sync=args.sync)
+                      adapter_config=args.adapter_config, overwrite=args.overwrite, sync=args.sync,
+                      verify_crc=args.verify_crc)
     if args.plan:
         _say(json.dumps(plan.to_dict(), indent=2) if args.json else plan.describe())
         return 0
@@ -193,7 +194,12 @@ def _cmd_reshard(args: argparse.Namespace) -> int:
 def _cmd_check(args: argparse.Namespace) -> int:
     from ..analysis.health import check, plan_check
     from ..analysis.scan import ReadTqdm
+    from ..dcp import is_dcp
 
+    if is_dcp(args.path):
+        from .dcp import check_dcp
+
+        return check_dcp(args, _say)
     if args.resume_at is not None:
         from . import resume
 
@@ -240,9 +246,16 @@ NO_SYNC_HELP = ("do not wait for the disk: the output appears as soon as it is w
                 "cut in the next seconds may leave it incomplete); by default it is on disk before it appears")
 
 
-VERIFY_CRC_HELP = ("first verify the CRC-32 torch records for every zip entry of the checkpoint that the run reads "
-                   "(torch never checks them): damaged bytes are refused, naming the file and entry; costs one more "
-                   "read of those bytes (docs/safety.md)")
+NO_VERIFY_CRC_HELP = ("do not check the CRC-32 torch records for every zip entry of the checkpoint that the run reads "
+                      "(torch never checks them). By default ckptlib computes it as the bytes stream and refuses "
+                      "damaged bytes before the output appears, naming the file and entry (docs/safety.md)")
+VERIFY_CRC_HELP = "the default (kept for scripts): the CRC-32 of what the run reads is checked; does nothing more"
+
+
+def add_crc_arguments(p: argparse.ArgumentParser) -> None:
+    """``--no-verify-crc`` (and ``--verify-crc``, the default, accepted as it was) of export and reshard."""
+    p.add_argument("--no-verify-crc", dest="verify_crc", action="store_false", help=NO_VERIFY_CRC_HELP)
+    p.add_argument("--verify-crc", dest="verify_crc", action="store_true", help=VERIFY_CRC_HELP)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -271,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp-rules", metavar="FILE", help=TP_RULES_HELP)
     p.add_argument("--format", choices=["safetensors", "torch", "dcp"], default="safetensors",
                    help="safetensors: model*.safetensors; torch: pytorch_model*.bin (torch.save, weights_only loads it); "
-                        "dcp: a torch.distributed.checkpoint folder for FSDP2 (see --layout, --optimizer)")
+                        "dcp: a torch.distributed.checkpoint folder for FSDP2 (see --layout, --optimizer, --dcp-storage)")
     p.add_argument("--dtype", choices=list(OUTPUT_DTYPES), default="fp32",
                    help="dtype of parameters and floating buffers (integer buffers stay exact)")
     p.add_argument("--max-shard-size", default="5GB", help="shard limit, decimal units like 5GB or 500MB")
@@ -313,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true",
                    help="re-read the output and compare every tensor with the checkpoint, bit for bit (exit 1 if any "
                         "differs; with --distributed every rank compares a share)")
-    p.add_argument("--verify-crc", action="store_true", help=VERIFY_CRC_HELP)
+    add_crc_arguments(p)
     p.add_argument("-q", "--quiet", action="store_true",
                    help="print nothing but errors (and a failed verification); the exit code says how it went")
     p.set_defaults(func=_cmd_export)
@@ -364,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="under torchrun (one machine or several nodes, output on a shared file system): rank 0 "
                         "plans, every rank writes its share of the target files (balanced by bytes, --workers "
                         "threads each), rank 0 renames the output into place once all ranks finished (gloo)")
-    p.add_argument("--verify-crc", action="store_true", help=VERIFY_CRC_HELP)
+    add_crc_arguments(p)
     p.add_argument("-q", "--quiet", action="store_true",
                    help="print nothing but errors (and a failed verification); the exit code says how it went")
     p.set_defaults(func=_cmd_reshard)
@@ -399,6 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp-rules", metavar="FILE", help=TP_RULES_HELP + " (for either side)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_diff)
+    add_average_command(sub, _plan_and_run, NO_SYNC_HELP, TP_RULES_HELP, add_crc_arguments)
     return parser
 
 

@@ -7,7 +7,11 @@ what ``ckpt export --format dcp`` writes), read without torch and without runnin
 ranges of its full value in row-major order, however it was chunked (FSDP2's ``Shard(0)`` rows, 2-D
 shards, one whole tensor), together with the model's parameter names and, per parameter, its optimizer
 states. Values (hyper-parameters, steps saved as numbers) are unpickled on demand by the restricted
-unpickler.
+unpickler. Every storage torch 2.13 writes is read: ``.distcp`` files of ``torch.save`` items or of safetensors
+data (``FileSystemWriter(serialization_format=SAFETENSORS)``), and ``HuggingFaceStorageWriter``'s safetensors
+files, consolidated or per rank (:mod:`ckptlib.io.dcp.sharding`, :mod:`ckptlib.io.dcp.hfstorage`); how each
+tensor's pieces tile it is proven when it is read (:mod:`.tiling`: a hole is refused, overlapping pieces must
+hold the same bytes).
 
 May import: :mod:`ckptlib.io` and every layer below it (it sits beside :mod:`ckptlib.deepspeed`).
 """

@@ -276,10 +276,16 @@ def collect_parameters(rec: Records, model: dict, trainable: dict, frozen_shapes
             params.append(ParameterInfo(name=name, shape=tuple(t.shape), trainable=False, stored_dtype=stored))
             rec.index.frozen[name] = [t]
     by_name = {p.name: p for p in params}
-    for p in params:
+    for p in list(params):
         if p.tied_to is not None:
             owner = by_name.get(p.tied_to)
-            if owner is None:
+            if owner is None and not frozen_shapes and p.tied_to not in trainable:
+                # a frozen weight and its alias, the save leaving frozen parameters out (exclude_frozen_parameters:
+                # the HF Trainer's save of a peft model with GPT-2's tied embeddings): neither is in the checkpoint
+                params.remove(p)
+                rec.notes.append(f"tied parameter {p.name} shares {p.tied_to}, a frozen parameter the save left out "
+                                 "(exclude_frozen_parameters): neither is in the checkpoint")
+            elif owner is None:
                 rec.problems.append(f"tied parameter {p.name} refers to {p.tied_to}, which is not saved")
             else:
                 p.shape, p.trainable, p.stored_dtype = owner.shape, owner.trainable, owner.stored_dtype

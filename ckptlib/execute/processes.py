@@ -1,7 +1,8 @@
 """Writing a plan's units in worker processes: each one receives the pickled plan and its share of units.
 
 Processes are started with ``spawn`` (nothing of the parent is inherited but the plan), report bytes
-written and read through a queue, and are terminated if the run is cancelled or one fails.
+written and read, and the CRC-32s of the spans they read (:class:`~ckptlib.io.crc.CrcLedger`), through a
+queue, and are terminated if the run is cancelled or one fails.
 Memory: ``plan.predicted_peak_bytes`` in each process (plus its interpreter).
 """
 from __future__ import annotations
@@ -9,10 +10,10 @@ from __future__ import annotations
 import multiprocessing as mp
 import queue
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from ..errors import CkptError
-from ..io.sources import SourceFiles
+from ..io.crc import CrcLedger, source_files
 from ..io.streaming import load_cast_kernels
 from ..plan import Plan
 from ..progress import Observer, check_cancel
@@ -24,7 +25,8 @@ REPORT_EVERY = 8 * 2**20
 
 def _worker_main(plan: Plan, tmp: str, work: list, q) -> None:
     try:
-        files = SourceFiles(drop=drops_source_pages(plan))
+        ledger = CrcLedger(plan.crc) if plan.crc else None
+        files = source_files(ledger, drop=drops_source_pages(plan))
         pending = [0]
 
         def progress(n: int) -> None:
@@ -42,14 +44,18 @@ def _worker_main(plan: Plan, tmp: str, work: list, q) -> None:
         ctx.close()
         q.put(("bytes", pending[0]))
         q.put(("read", files.stats.bytes_read))
+        if ledger is not None:
+            q.put(("crc", ledger.spans))
         files.close()
         q.put(("done", None))
     except BaseException as e:  # report, never hang the parent
         q.put(("error", str(e) if isinstance(e, CkptError) else f"{type(e).__name__}: {e}"))
 
 
-def write_in_processes(plan: Plan, tmp: Path, observer: Observer, cancel: Any) -> int:
-    """Write the plan's units in ``plan.workers`` processes; returns the bytes they read."""
+def write_in_processes(plan: Plan, tmp: Path, observer: Observer, cancel: Any,
+                       ledger: Optional[CrcLedger] = None) -> int:
+    """Write the plan's units in ``plan.workers`` processes; returns the bytes they read. The CRC-32s of the spans
+    they read go to ``ledger``."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     bins = [b for b in assign(units(plan, split=True), plan.workers) if b]
@@ -72,6 +78,9 @@ def write_in_processes(plan: Plan, tmp: Path, observer: Observer, cancel: Any) -
                 observer.on_bytes(written, plan.write_bytes)
             elif kind == "read":
                 read += value
+            elif kind == "crc":
+                if ledger is not None:
+                    ledger.add(value)
             elif kind == "done":
                 done += 1
             else:

@@ -2,8 +2,10 @@
 
 :func:`run` checks that the source is unchanged since the plan was made, watches the process's memory,
 compares the copies the plan says must be equal (in a thread beside the writing), writes the plan's files into a hidden temporary sibling of the output folder (with the plan's
-``workers`` as threads, or as processes that each receive the pickled plan), then its text finals
-(``latest`` last), and renames the folder into place; any failure or a cancel leaves nothing behind.
+``workers`` as threads, or as processes that each receive the pickled plan), checks the CRC-32 of every zip
+member of the source it read (``plan.crc``: computed as the bytes streamed, :mod:`ckptlib.io.crc`), then writes
+its text finals (``latest`` last), and renames the folder into place; any failure, a mismatch or a cancel
+leaves nothing behind.
 Progress goes to an :class:`~ckptlib.progress.Observer`; every run returns a :class:`RunResult` with
 its :class:`~ckptlib.system.memory.MemoryReport`. Buffers are released when the run ends.
 
@@ -19,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ..errors import Cancelled, IncompleteCheckpointError
-from ..io.crc import describe_mismatch, verify_entries
+from ..io.crc import CrcLedger, describe_mismatch, source_files, verify_entries
 from ..layout.ranges import slice_ranges
 from ..io.output import AtomicOutputDir, reporting_failures
 from ..io.sources import SourceFiles, check_unchanged
@@ -87,8 +89,9 @@ def run(plan: Plan, observer: Optional[Observer] = None, cancel: Any = None) -> 
             check_unchanged(plan.source.stamps)
             if needs_cast_kernels(plan):  # numpy, loaded (or refused for want of memory) before anything is written
                 load_cast_kernels()
-            verify_source_crcs(plan, cancel)
-            checks = CopiesCheck(plan, cancel)
+            verify_source_crcs(plan, cancel, inline=True)
+            ledger = CrcLedger(plan.crc) if plan.crc else None  # the CRC-32s noted as the bytes stream
+            checks = CopiesCheck(plan, cancel, ledger)
             try:
                 with AtomicOutputDir(plan.out, source=plan.source.save_dir, overwrite=plan.overwrite,
                                      sync=plan.sync) as tmp:
@@ -98,13 +101,15 @@ def run(plan: Plan, observer: Optional[Observer] = None, cancel: Any = None) -> 
                         if plan.parallel == PROCESSES and plan.workers > 1:
                             from .processes import write_in_processes  # multiprocessing, only for worker processes
 
-                            read = write_in_processes(plan, tmp, observer, stop)
+                            read = write_in_processes(plan, tmp, observer, stop, ledger)
                         else:
-                            read = write_in_threads(plan, units(plan), tmp, observer, stop, plan.workers)
+                            read = write_in_threads(plan, units(plan), tmp, observer, stop, plan.workers,
+                                                    ledger=ledger)
                     except Cancelled:
                         checks.result()  # when a difference stopped the writing, that is the error
                         raise
                     checks.result()  # before anything is put in place
+                    read += check_crcs(plan, ledger, cancel)
                     write_finals(plan, tmp)
                     check_cancel(cancel)
             finally:
@@ -114,22 +119,56 @@ def run(plan: Plan, observer: Optional[Observer] = None, cancel: Any = None) -> 
     return result
 
 
-def verify_source_crcs(plan: Plan, cancel: Any = None) -> None:
-    """Verify the CRC-32 of the source's zip members the plan lists (``--verify-crc``) before anything is
-    written.
+def verify_source_crcs(plan: Plan, cancel: Any = None, inline: bool = False) -> None:
+    """Check the CRC-32 of the source's zip members the plan lists (``plan.crc``) in a pass of their own, before
+    anything is written: what a run does where its writers cannot check them as they read (a distributed run,
+    whose ranks each read a share). ``inline``: the caller checks them as the bytes stream (:func:`check_crcs`):
+    nothing to do here.
 
     Raises:
         IncompleteCheckpointError: naming every file and member whose bytes changed since they were saved.
     """
-    if not plan.crc:
+    if not plan.crc or inline:
         return
     with SourceFiles() as files:
         bad = verify_entries(plan.crc, files, plan.chunk_bytes, cancel=cancel)
     if bad:
-        raise IncompleteCheckpointError(
-            "the CRC-32 of the source does not match: " + "; ".join(f"{e.path}: {describe_mismatch(e, got)}"
-                                                                   for e, got in bad), path=plan.source.tag_dir,
-            hint="copy the files named again from the original, or use another tag; nothing was written")
+        raise crc_error(plan, [(e, got, "changed") for e, got in bad])
+
+
+def check_crcs(plan: Plan, ledger: Optional[CrcLedger], cancel: Any = None) -> int:
+    """Once the output is written, before it is put in place: every member's CRC-32 from the spans the run read
+    (:meth:`~ckptlib.io.crc.CrcLedger.verify`; the bytes of a member it read only in part are read here).
+    Returns the bytes read for it.
+
+    Raises:
+        IncompleteCheckpointError: naming every file and member whose bytes do not match.
+    """
+    if ledger is None:
+        return 0
+    with SourceFiles() as files:
+        bad = ledger.verify(files, cancel)
+    if bad:
+        raise crc_error(plan, bad)
+    return files.stats.bytes_read
+
+
+def crc_error(plan: Plan, bad: list) -> IncompleteCheckpointError:
+    """One error for the members whose bytes do not match their CRC-32 (``(member, CRC-32 found, why)``): the
+    file (or, for several, the tag folder) as its path, each file and member named."""
+    paths = list(dict.fromkeys(e.path for e, _, _ in bad))
+    if all(why == "reread" for _, _, why in bad):
+        return IncompleteCheckpointError(
+            "the source changed while it was read: two reads of the same bytes differ in " + "; ".join(
+                f"{Path(e.path).name}: zip entry {e.name}" for e, _, _ in bad),
+            path=paths[0] if len(paths) == 1 else plan.source.tag_dir,
+            hint="make sure nothing writes to the checkpoint and run again; nothing was written")
+    parts = [(f"{Path(e.path).name}: " if len(paths) > 1 else "") + describe_mismatch(e, got)
+             for e, got, why in bad if why == "changed"]
+    return IncompleteCheckpointError(
+        "the CRC-32 of the source does not match: " + "; ".join(parts), path=paths[0] if len(paths) == 1 else
+        plan.source.tag_dir, hint=f"restore {'the file' if len(paths) == 1 else 'the files named'} from a copy (the "
+        "original, a backup), or use another tag; nothing was written")
 
 
 #: the copies check beside the writing reads in pieces of this size: its two buffers are within the run's
@@ -145,7 +184,7 @@ class CopiesCheck:
 
     Memory: a thread and two pieces of :data:`CHECK_PIECE_BYTES`."""
 
-    def __init__(self, plan: Plan, cancel: Any = None):
+    def __init__(self, plan: Plan, cancel: Any = None, ledger: Optional[CrcLedger] = None):
         self.failed, self._stop = threading.Event(), threading.Event()
         self._error: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
@@ -154,15 +193,15 @@ class CopiesCheck:
         try:
             thread_room()
         except MemoryError:
-            compare_copies(plan, cancel)
+            compare_copies(plan, cancel, ledger=ledger)
             return
-        self._thread = threading.Thread(target=self._check, args=(plan, AnyOf(cancel, self._stop)),
+        self._thread = threading.Thread(target=self._check, args=(plan, AnyOf(cancel, self._stop), ledger),
                                         name="ckptlib-check", daemon=True)
         self._thread.start()
 
-    def _check(self, plan: Plan, cancel: Any) -> None:
+    def _check(self, plan: Plan, cancel: Any, ledger: Optional[CrcLedger]) -> None:
         try:
-            compare_copies(plan, cancel, CHECK_PIECE_BYTES)
+            compare_copies(plan, cancel, CHECK_PIECE_BYTES, ledger)
         except BaseException as e:  # raised in the run's thread by result()
             self._error = e
             self.failed.set()
@@ -186,9 +225,12 @@ def compared_spans(plan: Plan) -> list[tuple[str, int, int]]:
     return [(r.path, r.offset, r.nbytes) for c in plan.checks for r in (*c.a, *c.b) if hasattr(r, "path")]
 
 
-def compare_copies(plan: Plan, cancel: Any = None, chunk_bytes: Optional[int] = None) -> None:
+def compare_copies(plan: Plan, cancel: Any = None, chunk_bytes: Optional[int] = None,
+                   ledger: Optional[CrcLedger] = None) -> None:
     """Run the plan's range checks (copies that must be equal), reading ``chunk_bytes`` of each copy at a
-    time (the plan's chunk by default).
+    time (the plan's chunk by default). The CRC-32s of the copies compared with the first one are noted in
+    ``ledger`` as they are read (their members are checked whole, and the run's writers do not read them); the
+    first copy is what the writers read and check.
 
     Raises:
         IncompleteCheckpointError: two copies differ (naming them and the first element that differs).
@@ -198,9 +240,10 @@ def compare_copies(plan: Plan, cancel: Any = None, chunk_bytes: Optional[int] = 
     groups: dict = {}  # (first copy, dtype) -> its checks: a tensor on several ranks is read once for all
     for c in plan.checks:
         groups.setdefault((c.a, c.dtype), []).append(c)
-    with SourceFiles() as files:
+    with source_files(ledger) as files, SourceFiles() as first:
         for (a, dtype), group in groups.items():
-            found = first_differences(a, [c.b for c in group], dtype, files, chunk_bytes or plan.chunk_bytes, cancel)
+            found = first_differences(a, [c.b for c in group], dtype, files, chunk_bytes or plan.chunk_bytes, cancel,
+                                      first)
             c, at = next(((c, at) for c, at in zip(group, found) if at is not None), (None, None))
             if c is not None:
                 proof = " master" in c.what  # a value proof (ZeRO-0's unnamed optimizer entries)
@@ -230,13 +273,14 @@ def finished(plan: Plan, seconds: float, read: int, memory: Optional[MemoryRepor
 
 def write_in_threads(plan: Plan, work: list[Unit], tmp: Path, observer: Observer, cancel: Any,
                      threads: int = 1, progress: Optional[Callable[[int], None]] = None,
-                     processes_on_machine: int = 1) -> int:
+                     processes_on_machine: int = 1, ledger: Optional[CrcLedger] = None) -> int:
     """Write ``work`` with ``threads`` writing threads (the calling thread when 1: in plan order; else
     largest first). The first failure stops the other threads at their next chunk and is raised.
     ``processes_on_machine`` (writing processes sharing this machine's page cache) divides what a run
-    that does not sync leaves to the kernel. Returns the bytes read from the source."""
+    that does not sync leaves to the kernel; ``ledger`` notes the CRC-32s of what is read. Returns the bytes
+    read from the source."""
     failed = threading.Event()
-    files = SourceFiles(drop=drops_source_pages(plan))
+    files = source_files(ledger, drop=drops_source_pages(plan))
     files.keep_cached(compared_spans(plan))  # the copies compared beside the writing are read there too
     ctx = WriteContext(plan.chunk_bytes, files, progress or progress_to(observer, plan.write_bytes),
                        AnyOf(cancel, failed), observer, unsynced_budget(plan, processes_on_machine),
@@ -282,4 +326,5 @@ def write_in_threads(plan: Plan, work: list[Unit], tmp: Path, observer: Observer
         files.close()
 
 
-__all__ = ["RunResult", "run", "write_in_threads", "progress_to", "finished", "AnyOf"]
+__all__ = ["RunResult", "run", "write_in_threads", "progress_to", "finished", "AnyOf", "verify_source_crcs",
+           "check_crcs", "crc_error"]

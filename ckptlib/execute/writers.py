@@ -3,7 +3,8 @@
 A *unit* is the smallest piece of a plan that can be written on its own: one tensor of a safetensors
 file (its offset is known from the header), one item of a DCP ``.distcp`` file (its offset is fixed by
 the plan), or one whole torch, copied or small binary file. A merge's :class:`~ckptlib.plan.MergedTensor`
-is computed whole (:mod:`ckptlib.io.lora_merge`) and then written. Writers read the
+is computed whole (:mod:`ckptlib.io.lora_merge`) and then written; an average's
+:class:`~ckptlib.plan.AveragedTensor` chunk by chunk (:mod:`ckptlib.io.averaging`). Writers read the
 plan's source ranges through a :class:`~ckptlib.io.sources.SourceFiles` and stream them through the
 calling thread's buffers (:class:`WriteContext`).
 """
@@ -17,16 +18,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from ..io.averaging import averaged_spec, write_averaged
 from ..io.dcp import write_item
 from ..io.sinks import PwriteSink, UnsyncedBudget, WriteBehind, preallocate, pwrite_all
 from ..io.sources import SourceFiles
 from ..io.stformat import SafetensorsLayout, TensorSpec
-from ..io.streaming import ChunkBuffers, copy_ranges
+from ..io.streaming import ChunkBuffers, copy_file, copy_ranges
 from ..io.torchzip.specs import NewTensor
 from ..io.torchzip.trees import walk_tensors
 from ..io.torchzip.writer import save as torch_save
 from ..layout.ranges import StoredRange
-from ..plan import BlobFile, CopyFile, DistcpFile, MergedTensor, Plan, TextFile, TreeFile, WeightsFile
+from ..plan import AveragedTensor, BlobFile, CopyFile, DistcpFile, MergedTensor, Plan, TextFile, TreeFile, WeightsFile
 from ..progress import Observer, check_cancel
 from ..system.memory import system_memory
 
@@ -207,7 +209,8 @@ def write_unit(plan: Plan, unit: Unit, tmp: Path, ctx: WriteContext) -> None:
             raise TypeError(f"{f.name}: a merged tensor is written in safetensors only")
         for t in f.tensors:
             ctx.observer.on_tensor(t.name)
-        tree = collections.OrderedDict((t.name, NewTensor(t.dtype, t.shape, t.ranges)) for t in f.tensors)
+        tree = collections.OrderedDict((t.name, averaged_spec(t) if isinstance(t, AveragedTensor) else
+                                        NewTensor(t.dtype, t.shape, t.ranges)) for t in f.tensors)
         torch_save(tree, path, archive=Path(f.name).name.split(".")[0], progress=ctx.progress, bufs=ctx.bufs,
                    files=ctx.files, cancel=ctx.cancel, unsynced=ctx.unsynced, drop_written=ctx.drop_written)
     elif isinstance(f, TreeFile):
@@ -222,9 +225,12 @@ def write_unit(plan: Plan, unit: Unit, tmp: Path, ctx: WriteContext) -> None:
         finally:
             os.close(fd)
     elif isinstance(f, CopyFile):
-        shutil.copy2(f.source, path)
-        ctx.files.count(f.write_bytes)
-        ctx.progress(f.write_bytes)
+        if getattr(ctx.files, "tracks", lambda p: False)(f.source):  # its zip members' CRC-32s checked as it streams
+            _copy_checked(f, path, ctx)
+        else:
+            shutil.copy2(f.source, path)
+            ctx.files.count(f.write_bytes)
+            ctx.progress(f.write_bytes)
     else:
         raise TypeError(f"a plan cannot write a {type(f).__name__}")
 
@@ -244,10 +250,27 @@ def _write_safetensors(f: WeightsFile, which, path: Path, ctx: WriteContext) -> 
                 check_cancel(ctx.cancel)
                 write_merged(t, sink, ctx.files, ctx.progress)
                 continue
+            if isinstance(t, AveragedTensor):  # an average of checkpoints: computed chunk by chunk as written
+                write_averaged(t.terms, t.dtype, t.numel, sink, ctx.bufs, ctx.files, ctx.progress, ctx.cancel)
+                continue
             copy_ranges(t.ranges, t.dtype, sink, ctx.bufs, ctx.files, ctx.progress, ctx.cancel)
         behind.close()
     finally:
         os.close(fd)
+
+
+def _copy_checked(f: CopyFile, path: Path, ctx: WriteContext) -> None:
+    """Copy ``f`` a chunk at a time (:func:`~ckptlib.io.streaming.copy_file`: every byte seen by the run's reader,
+    which checks the CRC-32 of the zip members in it), then its mode and times, as ``shutil.copy2`` does."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        behind = ctx.write_behind(fd)
+        copy_file(f.source, PwriteSink(fd, 0, behind=behind), f.write_bytes, ctx.bufs, ctx.files, ctx.progress,
+                  ctx.cancel)
+        behind.close()
+    finally:
+        os.close(fd)
+    shutil.copystat(f.source, path)
 
 
 def _write_distcp(f: DistcpFile, which, path: Path, ctx: WriteContext) -> None:
@@ -267,7 +290,7 @@ def needs_cast_kernels(plan: Plan) -> bool:
     """Whether a run of ``plan`` casts (a tensor read from ranges of another dtype) or compares copies: then
     it needs numpy (:func:`ckptlib.io.streaming.load_cast_kernels`), which a run loads before it writes anything.
     Metadata only."""
-    if plan.checks:
+    if plan.checks or plan.action == "average":  # an average's arithmetic is numpy's (ckptlib.io.averaging)
         return True
 
     def casts(ranges, dtype: str) -> bool:

@@ -29,6 +29,21 @@ Layouts (the keys are those ``dcp.save`` writes for the client's state dict, fla
   ``optimizer.param_groups...``), plus the training files the Trainer or Accelerate keep beside the
   checkpoint (scheduler, sampler, RNG states), copied byte for byte where they are.
 
+Storages (``storage``; how the bytes are held, what ``dcp.load`` is given to read them):
+
+- ``torch`` (default): a ``.metadata`` and ``.distcp`` files of ``torch.save`` items, as ``FileSystemWriter`` writes
+  them (any layout, the optimizer too);
+- ``hf``: the model's tensors under their keys (``fc1.weight``, at the top level, as ``dcp.save(model_state_dict,
+  storage_writer=HuggingFaceStorageWriter(path))`` writes them) in ``model-0000i-of-0000N.safetensors`` files with
+  DCP's sharding info, and ``model.safetensors.index.json``; ``HuggingFaceStorageReader`` reads it;
+- ``hf-sharded``: the same as ``HuggingFaceStorageWriter(path, save_distributed=True)`` writes at ``ranks`` ranks
+  (default: the checkpoint's data-parallel size): ``shard-0000r-model-0000i-of-0000N.safetensors`` per rank, each
+  parameter's rows as FSDP2's ``Shard(0)`` gives them to rank r, the buffers whole in rank 1's file
+  (:func:`ckptlib.io.dcp.hfstorage.plan_hf_storage`); ``consolidate_safetensors_files`` merges them.
+
+Neither HF storage can hold a value, so the optimizer state (whose param groups are values) is refused there.
+FileSystemWriter's safetensors serialization is not written: torch 2.13's own FileSystemReader cannot load it.
+
 What does not map (the loss scaler, DeepSpeed's own scheduler state, ...) is named in the plan's notes.
 The plan is plain data; :func:`ckptlib.run` writes it through the same runner as every export.
 """
@@ -45,16 +60,19 @@ from ..deepspeed import Checkpoint, hf
 from ..deepspeed.exactness import value_proofs
 from ..dtypes import BY_SHORT, OUTPUT_DTYPES
 from ..errors import CkptError, IncompleteCheckpointError, UnsupportedCheckpointError
-from ..io.crc import entries_touching
+from ..io.crc import attach_crc
 from ..io.dcp import SUFFIX, BytesEntry, Chunk, DcpMetadata, Item, TensorEntry, metadata_pickle, place
 from ..io.torchzip.specs import NewTensor
-from ..plan import PROCESSES, BlobFile, CopyFile, DistcpFile, Plan, RangeCheck
+from ..io.dcp.hfstorage import HF_SHARDED, plan_hf_storage
+from ..plan import PROCESSES, BlobFile, CopyFile, DistcpFile, Plan, PlannedTensor, RangeCheck, WeightsFile
 from ..units import human_bytes
 from .dcp_optim import (HINT, Value, group_values, initial_lr, optimizer_groups, state_values, steps,
                         torch_settings)
 from .weights import model_tensors
 
 LAYOUTS = ("torch", "torchtitan", "accelerate")
+WRITTEN_STORAGES = ("torch", "hf", "hf-sharded")  # not "safetensors": torch 2.13's FileSystemReader cannot load it
+STORAGE_HINT = "use --dcp-storage torch (dcp={'storage': 'torch'}), which holds the optimizer state and every layout"
 ACCELERATE_MODEL, ACCELERATE_OPTIMIZER = "pytorch_model_fsdp_0", "optimizer_0"
 #: training files Accelerate's save_state writes beside the FSDP folders, copied when found
 ACCELERATE_FILES = re.compile(r"^(scheduler|sampler|dl_state_dict|custom_checkpoint)(_\d+)?\.(bin|pkl)$|"
@@ -67,6 +85,7 @@ class DcpPlan(Plan):
 
     Attributes:
         layout: ``"torch"``, ``"torchtitan"`` or ``"accelerate"``.
+        storage: ``"torch"``, ``"hf"`` or ``"hf-sharded"`` (see the module docstring).
         optimizer: whether the optimizer state is in it.
         folders_written: the DCP folders (``""`` for ``out`` itself) and their :class:`DcpMetadata`.
         values: per folder, the flattened entries in order (:class:`Value`).
@@ -82,6 +101,7 @@ class DcpPlan(Plan):
     dtype: str
     optimizer: bool
     max_shard_size: int
+    storage: str = "torch"
     dcp: dict = field(default_factory=dict)       # folder -> DcpMetadata
     values: dict = field(default_factory=dict)    # folder -> [Value]
     step: Optional[int] = None
@@ -112,6 +132,7 @@ class DcpPlan(Plan):
     def to_dict(self) -> dict:
         return {
             "source": self.source.tag_dir, "out": str(self.out), "format": "dcp", "layout": self.layout,
+            "storage": self.storage,
             "dtype": self.dtype, "optimizer": self.optimizer, "max_shard_size": self.max_shard_size,
             "step": self.step, "torch_optimizers": list(self.torch_optimizers),
             "torch_settings": list(self.torch_settings), "workers": self.workers,
@@ -127,7 +148,8 @@ class DcpPlan(Plan):
         src = self.source
         what = "model and optimizer state" if self.optimizer else "model"
         lines = [f"export {src.tag_dir}",
-                 f"    -> {self.out}  (DCP, {self.layout} layout, {what}, {self.dtype} weights)",
+                 f"    -> {self.out}  (DCP, {self.layout} layout, {what}, {self.dtype} weights"
+                 + (f", {self.storage} storage)" if self.storage != "torch" else ")"),
                  f"ZeRO {src.zero_stage}, {src.dtype}, {src.dp_world_size} ranks; {len(self.tensors)} tensors"
                  + (f", optimizer step {self.step}" if self.optimizer else ""),
                  f"{self.reads_text()}; {self.writes_text()}",
@@ -136,7 +158,8 @@ class DcpPlan(Plan):
                  f"{human_bytes(self.chunk_bytes)} chunks)"] + self.summary_lines()[2:]
         width = max([len(f.name) for f in self.files] + [40])
         for f in self.files:
-            count = f"{len(f.items)} items" if isinstance(f, DistcpFile) else f.kind
+            count = f"{len(f.items)} items" if isinstance(f, DistcpFile) else \
+                f"{len(f.tensors)} tensors" if isinstance(f, WeightsFile) else f.kind
             lines.append(f"  {f.name:<{width}} {human_bytes(f.size):>10}  {count}")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -144,6 +167,11 @@ class DcpPlan(Plan):
 
 # ============================================================================================ the content
 def _model_values(ck: Checkpoint, out_dtype: str, prefix: tuple) -> list[Value]:
+    return [Value(".".join(prefix + (t.name,)), prefix + (t.name,), NewTensor(t.dtype, t.shape, t.ranges),
+                  source=t.source) for t in _model_tensors(ck, out_dtype)]
+
+
+def _model_tensors(ck: Checkpoint, out_dtype: str) -> list[PlannedTensor]:
     def sources(name: str) -> list:
         try:
             return ck.sources(name)
@@ -155,8 +183,7 @@ def _model_values(ck: Checkpoint, out_dtype: str, prefix: tuple) -> list[Value]:
                 hint="export from a checkpoint saved with its frozen parameters, or load them from the base model "
                      "after a load with allow_partial_load") from None
 
-    return [Value(".".join(prefix + (t.name,)), prefix + (t.name,), NewTensor(t.dtype, t.shape, t.ranges),
-                  source=t.source) for t in model_tensors(ck, out_dtype, sources=sources)]
+    return model_tensors(ck, out_dtype, sources=sources)
 
 
 def _titan(values: list[Value]) -> list[Value]:
@@ -224,13 +251,30 @@ def _unmapped_notes(ck: Checkpoint, layout: str, run: dict, optimizer: bool) -> 
     return notes
 
 
+def _check_storage(storage: str, layout: str, optimizer: bool) -> None:
+    if storage not in WRITTEN_STORAGES:
+        why = (": torch 2.13's own FileSystemReader cannot load what "
+               "FileSystemWriter(serialization_format=SAFETENSORS) writes (docs/dcp.md)") if storage == "safetensors" else ""
+        raise CkptError(f"unknown DCP storage {storage!r}; choose one of {', '.join(WRITTEN_STORAGES)}{why}")
+    if storage != "torch" and optimizer:
+        raise CkptError(f"{storage} storage holds tensors only, not the optimizer state: its param groups are values, "
+                        "which HuggingFaceStorageWriter's safetensors files cannot hold", hint=STORAGE_HINT)
+    if storage != "torch" and layout != "torch":
+        raise CkptError(f"the {layout} layout is for torch storage: {storage} storage holds the model's tensors under "
+                        "their own names (as dcp.save(model.state_dict(), "
+                        "storage_writer=HuggingFaceStorageWriter(...)) writes them)", hint=STORAGE_HINT)
+
+
 def plan_dcp(ck: Checkpoint, out: Path, *, layout: str = "torch", optimizer: bool = False, dtype: str = "fp32",
              max_shard_size: int = 5 * 10**9, exclude_frozen: bool = False, workers: int = 1,
-             overwrite: bool = False, chunk_bytes: int, sync: bool = True, verify_crc: bool = False) -> DcpPlan:
+             overwrite: bool = False, chunk_bytes: int, sync: bool = True, verify_crc: bool = True,
+             storage: str = "torch", ranks: Optional[int] = None) -> DcpPlan:
     """Plan a DCP export of the opened checkpoint ``ck`` into ``out`` (see the module docstring).
+    ``storage``: ``torch``, ``hf`` or ``hf-sharded``; ``ranks``: the ranks an ``hf-sharded`` export is written
+    for (default: the checkpoint's data-parallel size).
 
-    ``verify_crc``: the CRC-32 of every zip member of the checkpoint the export reads is verified before
-    anything is written (as for every export).
+    ``verify_crc``: the CRC-32 of every zip member of the checkpoint the export reads is checked as its bytes
+    stream, before the output is put in place (as for every export; False: unchecked).
 
     Memory: the plan (one small record per tensor) and the metadata pickle; reads the optimizer's
     scalar steps only.
@@ -241,6 +285,7 @@ def plan_dcp(ck: Checkpoint, out: Path, *, layout: str = "torch", optimizer: boo
     """
     if layout not in LAYOUTS:
         raise CkptError(f"unknown DCP layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+    _check_storage(storage, layout, optimizer)
     if dtype not in OUTPUT_DTYPES:
         raise CkptError(f"unknown dtype {dtype!r}; choose one of {', '.join(OUTPUT_DTYPES)}")
     ck.check_readable()
@@ -249,6 +294,10 @@ def plan_dcp(ck: Checkpoint, out: Path, *, layout: str = "torch", optimizer: boo
     trainable = [p for p in ck.parameters if p.trainable and not p.tied_to]
     if exclude_frozen:
         raise CkptError("a DCP export holds the whole model (FSDP2 loads every parameter): drop --exclude-frozen")
+    if storage != "torch":
+        return _plan_hf(ck, Path(out).expanduser().resolve(), storage=storage, dtype=dtype, out_dtype=out_dtype,
+                        ranks=ranks or ck.source_ref().ranks or 1, max_shard_size=max_shard_size, workers=workers,
+                        overwrite=overwrite, chunk_bytes=chunk_bytes, sync=sync, verify_crc=verify_crc)
     model = _model_values(ck, out_dtype, ("model",) if layout != "torchtitan" else ())
     step, classes, settings = None, [], []
     opt: list[Value] = []
@@ -300,20 +349,47 @@ def plan_dcp(ck: Checkpoint, out: Path, *, layout: str = "torch", optimizer: boo
         dcp[folder] = md
     if layout == "accelerate":
         files += _accelerate_files(ck, notes)
-    checks = [RangeCheck(what, tuple(a), tuple(b), a[0].dtype if a else "float32")
-              for vs in folders.values() for v in vs if v.tensor is not None and v.source is not None
-              and v.key != "step" for what, a, b in ck.replica_checks(v.source, v.key)]
-    checks = _unique_checks(checks) + value_proofs(ck)  # replicas compared, ZeRO-0 matches proven, before writing
-    crc = entries_touching(ck.zip_entries(), [r for vs in folders.values() for v in vs if v.tensor is not None
-                                              for r in v.tensor.ranges] + [r for c in checks for r in c.a + c.b]) \
-        if verify_crc else []
-    return DcpPlan(source=ck.source_ref(), out=out, files=files, folders=[f for f in folders if f],
+    checks = _checks(ck, folders)
+    plan = DcpPlan(source=ck.source_ref(), out=out, files=files, folders=[f for f in folders if f],
                    layout=layout, dtype=dtype, optimizer=optimizer, max_shard_size=max_shard_size, dcp=dcp,
                    values=folders, step=step, torch_optimizers=classes, torch_settings=settings,
                    chunk_bytes=chunk_bytes, workers=workers,
                    overwrite=overwrite,
                    sync=sync, notes=notes + [n for n in ck.view.notes if ck.kind != "data_parallel"],
-                   checks=checks, crc=crc)
+                   checks=checks)
+    return attach_crc(plan, ck.zip_entries() if verify_crc else None)
+
+
+def _checks(ck: Checkpoint, folders: dict) -> list:
+    """The plan's range checks: replicas compared, ZeRO-0 matches proven, before writing."""
+    checks = [RangeCheck(what, tuple(a), tuple(b), a[0].dtype if a else "float32")
+              for vs in folders.values() for v in vs if v.tensor is not None and v.source is not None
+              and v.key != "step" for what, a, b in ck.replica_checks(v.source, v.key)]
+    return _unique_checks(checks) + value_proofs(ck)
+
+
+def _plan_hf(ck: Checkpoint, out: Path, *, storage: str, dtype: str, out_dtype: str, ranks: int, max_shard_size: int,
+             workers: int, overwrite: bool, chunk_bytes: int, sync: bool, verify_crc: bool) -> DcpPlan:
+    """A DCP export of the model alone in HuggingFaceStorageWriter's safetensors files (``hf``, ``hf-sharded``)."""
+    tensors = _model_tensors(ck, out_dtype)
+    files, finals, md = plan_hf_storage(tensors, sharded=storage == HF_SHARDED, ranks=ranks, limit=max_shard_size)
+    values = {"": [Value(t.name, (t.name,), NewTensor(t.dtype, t.shape, t.ranges), source=t.source) for t in tensors]}
+    notes = [f"{storage} storage: the model's tensors at the top level under their own names (load them with "
+             "dcp.load(model_state_dict, storage_reader=HuggingFaceStorageReader(OUT))); no optimizer state"]
+    if storage == HF_SHARDED:
+        notes.append(f"written as {ranks} ranks of FSDP2 (fully_shard) save it: each parameter's rows (Shard(0)) in "
+                     f"its rank's shard-*-model-*.safetensors, the buffers whole in rank 1's; "
+                     "consolidate_safetensors_files merges the floating tensors (torch 2.13's cannot merge integer or "
+                     "bool tensors, and writes a 0-dim one as zero; ckpt export OUT merges them all)")
+    tied = [t.name for t in tensors if t.kind == "tied"]
+    if tied:
+        notes.append(f"tied parameters are written under each of their names ({', '.join(tied)}), as "
+                     "model.state_dict() has them")
+    plan = DcpPlan(source=ck.source_ref(), out=out, files=files, finals=finals, layout="torch", dtype=dtype,
+                   optimizer=False, max_shard_size=max_shard_size, storage=storage, dcp={"": md}, values=values,
+                   chunk_bytes=chunk_bytes, workers=workers, overwrite=overwrite, sync=sync,
+                   notes=notes + [n for n in ck.view.notes if ck.kind != "data_parallel"], checks=_checks(ck, values))
+    return attach_crc(plan, ck.zip_entries() if verify_crc else None)
 
 
 def _unique_checks(checks: list) -> list:
@@ -337,4 +413,4 @@ def _accelerate_files(ck: Checkpoint, notes: list) -> list:
     return [CopyFile(f.name, f.source, f.bytes, kind="hf") for f in found]
 
 
-__all__ = ["DcpPlan", "plan_dcp", "LAYOUTS", "Value"]
+__all__ = ["DcpPlan", "plan_dcp", "LAYOUTS", "WRITTEN_STORAGES", "Value"]

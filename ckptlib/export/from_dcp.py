@@ -1,5 +1,6 @@
 """Planning an export whose source is a DCP checkpoint (FSDP2, torchtitan, Accelerate, or ckptlib's own
-``--format dcp``): the model's tensors, assembled from their chunks, as consolidated safetensors or torch
+``--format dcp``; in torch.save, safetensors or Hugging Face storage): the model's tensors, assembled from their
+chunks (pieces that overlap compared first: they must hold the same bytes), as consolidated safetensors or torch
 files, and with ``states`` each per-element optimizer state in its own ``<key>/`` folder, as for a
 DeepSpeed source. So ``ckpt export CKPT A`` and ``ckpt export DCP B`` can be diffed file for file.
 
@@ -24,7 +25,8 @@ def plan_from_dcp(path: os.PathLike, out: os.PathLike, *, format: str, dtype: st
                   sync: bool = True) -> ExportPlan:
     """Plan the export of the DCP checkpoint at ``path`` (see the module docstring).
 
-    Memory: the plan; reads the metadata and a few hundred bytes per chunk.
+    Memory: the plan; reads the metadata and a few hundred bytes per chunk (and compares overlapping pieces, two
+    1 MiB chunks at a time).
     """
     if dtype not in OUTPUT_DTYPES:
         raise CkptError(f"unknown dtype {dtype!r}; choose one of {', '.join(OUTPUT_DTYPES)}")
@@ -49,7 +51,7 @@ def plan_from_dcp(path: os.PathLike, out: os.PathLike, *, format: str, dtype: st
     return ExportPlan(source=src, out=Path(out).expanduser().resolve(), files=files, finals=finals, format=format,
                       dtype=dtype, max_shard_size=limit, states=tuple(states), index_files=index_files,
                       chunk_bytes=chunk_bytes, workers=workers, overwrite=overwrite, sync=sync,
-                      notes=[f"source: a DCP checkpoint ({d.layout} layout)"])
+                      notes=[f"source: a DCP checkpoint ({d.layout} layout)"] + d.notes)
 
 
 def _step(d) -> Optional[int]:

@@ -1,8 +1,9 @@
 """A peft LoRA / DoRA adapter merged into its base model, as a plan like every other: what ``from_pretrained(OUT)`` loads.
 
 ``BASE`` is a local Hugging Face folder (``model.safetensors``, or shards with their index). The output has the
-base's files and names; every weight a LoRA module targets becomes ``W + scaling · B @ A`` (an embedding's: ``(B @ A)ᵀ``;
-DoRA: rescaled row by row to its magnitude vector; ``scaling`` the module's own where ``rank_pattern`` /
+base's files and names; every weight a LoRA module targets becomes ``W + scaling · B @ A`` (an embedding's and a
+Conv1D's, stored ``[in, out]`` as GPT-2's: ``(B @ A)ᵀ``; DoRA: rescaled to its magnitude vector, row by row, or column
+by column for an embedding or a Conv1D; ``scaling`` the module's own where ``rank_pattern`` /
 ``alpha_pattern`` say so), each ``modules_to_save`` weight and each trained bias (``bias="lora_only"|"all"``) is the
 trained one, a ``lora_bias`` module's bias gains ``scaling · lora_B.bias``, the rest is the base's. The adapter is
 the checkpoint's fp32 masters. The arithmetic is peft 0.21's ``merge_and_unload()`` on a base loaded in the merge
@@ -37,6 +38,8 @@ from ..errors import CkptError
 from ..execute import RunResult, run
 from ..io.lora_merge import (INDEX, WHY_TORCH, arithmetic_bytes, base_files, base_headers, largest_gap,
                              stored_ranges)
+from ..io.crc import attach_crc
+from ..io.jsonfile import read_json_object
 from ..io.sources import stamp
 from ..io.streaming import DEFAULT_CHUNK_BYTES
 from ..kinds import adapters as A
@@ -182,17 +185,20 @@ class MergeResult(RunResult):
 def plan_merge(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str, os.PathLike],
                base: Union[str, os.PathLike, None], *, merge_on: str = "base-dtype", tag: Optional[str] = None,
                adapter_config=None, overwrite: bool = False, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-               sync: bool = True) -> MergePlan:
+               sync: bool = True, verify_crc: bool = True) -> MergePlan:
     """Plan the merge of the checkpoint's peft adapter into ``base`` (see the module docstring); reads metadata only
     (the checkpoint's and the base's safetensors headers), and imports torch (the run's arithmetic needs it).
+    ``verify_crc``: check the CRC-32 of the checkpoint's zip members the merge reads as their bytes stream (default;
+    the base's safetensors record none).
 
     Memory: the plan itself; the run's is ``plan.predicted_peak_bytes`` (:class:`MergePlan`).
 
     Raises:
-        CkptError: no base (with the command that would do it), no adapter, a method or option whose merge ckptlib
-            has not checked (``fan_in_fan_out``, DoRA on an embedding), a base that does not hold a targeted weight or
-            holds it in another shape (named), a config whose ``rank_pattern`` gives a module another r than its
-            factors have, an output folder that holds or is inside the base or the checkpoint, or is not empty."""
+        CkptError: no base (with the command that would do it), no adapter, a base that does not hold a targeted
+            weight or holds it in another shape (named), a square layer of a model with Conv1D layers ckptlib does not
+            know (:func:`ckptlib.kinds.adapters.conv1d_modules`), a config whose ``rank_pattern`` gives a module
+            another r than its factors have, an output folder that holds or is inside the base or the checkpoint, or
+            is not empty."""
     ck = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, tag=tag)
     if base is None:
         raise CkptError("merging needs the base model the adapter was trained on", path=ck.location.save_dir,
@@ -205,13 +211,6 @@ def plan_merge(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str, 
     c = adapter.config
     if c is None:
         raise CkptError("no adapter_config.json beside the tag", path=ck.location.tag_dir, hint="pass --adapter-config")
-    if c.raw.get("fan_in_fan_out"):
-        raise CkptError("the adapter config sets fan_in_fan_out (Conv1D's transposed weights, GPT-2): ckptlib's merge "
-                        "has not been checked against peft's with it",
-                        hint="export the adapter (--adapter), load it with peft and merge_and_unload()")
-    if c.use_dora and any(k in (A.EMB_A, A.EMB_B) for k, _ in adapter.names.values()):
-        raise CkptError("DoRA on an embedding: ckptlib's merge has not been checked against peft's with it",
-                        hint="export the adapter (--adapter), load it with peft and merge_and_unload()")
     base = Path(base).expanduser().resolve()
     files, index = base_files(base)
     out = Path(out).expanduser().resolve()
@@ -226,11 +225,11 @@ def plan_merge(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str, 
     modules = A.base_tensors(adapter.names)
     headers = base_headers(files)
     held = {t.name: t for ts in headers.values() for t in ts}
-    _check_shapes(ck, c, adapter, modules, held, base)
+    conv = _check_shapes(ck, c, adapter, modules, held, base)
 
     weights = []
     for f, tensors in headers.items():
-        planned = [_planned(ck, c, f, t, modules.get(t.name), out_dtype) for t in tensors]
+        planned = [_planned(ck, c, f, t, modules.get(t.name), out_dtype, t.name in conv) for t in tensors]
         wf = WeightsFile(f.name, "safetensors", planned, {"format": "pt"})
         wf.size = weights_file_size(wf)
         weights.append(wf)
@@ -258,6 +257,7 @@ def plan_merge(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str, 
                      run_dtype=run_dtype, dtype=out_dtype, method=method, index_files=index_files,
                      side_files=[s.name for s in side])
     plan.notes = merge_notes(plan, None)
+    attach_crc(plan, ck.zip_entries() if verify_crc else None)
     return plan
 
 
@@ -273,21 +273,35 @@ def _config_text(path: Path, dtype: str) -> str:
                         hint="give the base model's folder as save_pretrained wrote it") from None
 
 
-def _check_shapes(ck: Checkpoint, c, adapter, modules: dict, held: dict, base: Path) -> None:
-    """Every tensor the adapter changes is in the base, in the adapter's shape, and each factor has the rank the
-    config gives its module (else its scaling would not be peft's)."""
+def _check_shapes(ck: Checkpoint, c, adapter, modules: dict, held: dict, base: Path) -> set:
+    """Every tensor the adapter changes is in the base, in the adapter's shape (a linear layer's ``[out, in]``, or
+    ``[in, out]`` where it is a Conv1D: :func:`ckptlib.kinds.adapters.conv1d_modules`), a DoRA magnitude has one value
+    a row (a column of an embedding or a Conv1D), and each factor has the rank the config gives its module (else its
+    scaling would not be peft's). Returns the base tensors stored transposed (Conv1D weights)."""
     shapes = {p.name: tuple(p.shape) for p in ck.parameters}
+    linear = {}
     for module, parts in modules.items():
         w = held.get(module)
         if w is None:
             raise CkptError(f"the base holds no {module}, which the adapter trains", path=base,
                             hint="give the base model the adapter was trained on")
-        if "whole" in parts or "bias" in parts or "lora_bias" in parts:
+        if "lora_A" in parts:  # [out, in], or [in, out]: conv1d_modules tells
+            linear[module.rsplit(".", 1)[0]] = (tuple(w.shape), shapes[parts["lora_A"]][1], shapes[parts["lora_B"]][0])
+            expect = tuple(w.shape)
+        elif "whole" in parts or "bias" in parts or "lora_bias" in parts:
             expect = shapes[parts.get("whole") or parts.get("bias") or parts["lora_bias"]]
-        elif "lora_embedding_A" in parts:  # A [r, vocab], B [hidden, r]: the embedding is [vocab, hidden]
+        else:  # an embedding: A [r, vocab], B [hidden, r]; the embedding is [vocab, hidden]
             expect = (shapes[parts["lora_embedding_A"]][1], shapes[parts["lora_embedding_B"]][0])
-        else:
-            expect = (shapes[parts["lora_B"]][0], shapes[parts["lora_A"]][1])
+        b = parts.get("lora_B") or parts.get("lora_embedding_B")
+        magnitude = parts.get("lora_magnitude_vector")
+        if b is not None and (magnitude is not None) != c.use_dora:
+            raise CkptError(f"the adapter config {'sets' if c.use_dora else 'does not set'} use_dora, but "
+                            f"{module.rsplit('.', 1)[0]} has {'no' if c.use_dora else 'a'} DoRA magnitude "
+                            "(lora_magnitude_vector) in the checkpoint: the config is not this adapter's",
+                            path=adapter.config_path, hint="give the adapter_config.json the run saved (--adapter-config)")
+        if magnitude is not None and shapes[magnitude] != (shapes[b][0],):
+            raise CkptError(f"{magnitude} holds {list(shapes[magnitude])} values, {b} has {shapes[b][0]} rows: no "
+                            "DoRA magnitude of this module", path=ck.location.tag_dir)
         if tuple(w.shape) != expect:
             raise CkptError(f"the base's {module} is {list(w.shape)}, the adapter's is {list(expect)}: "
                             "another model", path=base, hint="give the base model the adapter was trained on")
@@ -297,11 +311,21 @@ def _check_shapes(ck: Checkpoint, c, adapter, modules: dict, held: dict, base: P
             raise CkptError(f"{factor} has rank {shapes[factor][0]}, but the adapter config gives {path} "
                             f"r={c.module_scaling(path)[0]} (r, rank_pattern): its scaling would not be peft's",
                             path=adapter.config_path, hint="give the adapter_config.json the run saved (--adapter-config)")
+    return {m + ".weight" for m in A.conv1d_modules(linear, _model_type(base), c.fan_in_fan_out, base)}
 
 
-def _planned(ck: Checkpoint, c, path: Path, t, parts: Optional[dict], out_dtype: str):
+def _model_type(base: Path) -> Optional[str]:
+    """The ``model_type`` the base's ``config.json`` says (None: no config, or none in it)."""
+    path = base / hf.CONFIG
+    if not path.is_file():
+        return None
+    value = read_json_object(path, "the base model's config").get("model_type")
+    return value if isinstance(value, str) else None
+
+
+def _planned(ck: Checkpoint, c, path: Path, t, parts: Optional[dict], out_dtype: str, conv: bool = False):
     """One tensor of the merged model: the base's own (streamed), a ``modules_to_save`` weight (the masters), or a
-    :class:`~ckptlib.plan.MergedTensor`."""
+    :class:`~ckptlib.plan.MergedTensor` (``conv``: a Conv1D weight, stored transposed)."""
     shape, ranges = tuple(t.shape), stored_ranges(path, t)
     if parts is None:
         return PlannedTensor(t.name, t.name, None, "base", shape, out_dtype if is_floating(t.dtype) else t.dtype,
@@ -311,8 +335,10 @@ def _planned(ck: Checkpoint, c, path: Path, t, parts: Optional[dict], out_dtype:
                              tuple(ck.sources(parts["whole"])))
     factors = tuple(Factor(_ROLES[part], name, tuple(ck.param(name).shape), tuple(ck.sources(name)))
                     for part, name in parts.items())
-    how = "bias" if ("bias" in parts or "lora_bias" in parts) else "embedding" if "lora_embedding_A" in parts else \
-        "dora" if "lora_magnitude_vector" in parts else "linear"
+    dora = "lora_magnitude_vector" in parts
+    how = "bias" if ("bias" in parts or "lora_bias" in parts) else \
+        ("dora_embedding" if dora else "embedding") if "lora_embedding_A" in parts else \
+        ("dora_conv1d" if conv else "dora") if dora else "conv1d" if conv else "linear"
     return MergedTensor(t.name, shape, out_dtype, how, out_dtype, c.module_scaling(t.name.rsplit(".", 1)[0])[2],
                         factors, ranges)
 

@@ -90,7 +90,7 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
     if not isinstance(checkpoint, Checkpoint) and format != "dcp" and is_dcp(checkpoint):
         from .from_dcp import plan_from_dcp  # a DCP checkpoint as the source
 
-        return plan_from_dcp(checkpoint, out, format=format, dtype=dtype, limit=_limit(max_shard_size), states=states,
+        return plan_from_dcp(checkpoint, out, format=format, dtype=dtype, limit=shard_limit(max_shard_size), states=states,
                              workers=workers, overwrite=overwrite, chunk_bytes=chunk_bytes, sync=sync)
     ck = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, tag=tag, tp_rules=tp_rules)
     if format not in FORMATS:
@@ -113,7 +113,7 @@ def plan_export(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str,
         raise CkptError("layout and optimizer options are for --format dcp")
     if workers < 1:
         raise CkptError("workers must be at least 1")
-    limit = _limit(max_shard_size)
+    limit = shard_limit(max_shard_size)
     require_exact(ck)  # the one validation of every conversion: readable, every rank file what its name says
     warnings = []
     if ck.flavor != "no_zero" and ck.zero_stage == 1 and any(not p.trainable and not p.tied_to for p in ck.parameters):
@@ -229,7 +229,8 @@ def requested_states(ck: Checkpoint, states: Sequence[str]) -> list[str]:
     return out
 
 
-def _limit(max_shard_size: Union[int, str]) -> int:
+def shard_limit(max_shard_size: Union[int, str]) -> int:
+    """``max_shard_size`` (bytes, or a size like ``5GB``) in bytes; a bad or non-positive size is refused."""
     try:
         limit = parse_size(max_shard_size)
     except ValueError as e:
@@ -244,7 +245,7 @@ def _plan_dcp(ck: Checkpoint, out, *, dtype: str, max_shard_size, states: Sequen
     from .dcp import plan_dcp  # the DCP planner, loaded only for DCP exports
 
     return plan_dcp(ck, Path(out), layout=layout, optimizer=optimizer or bool(states), dtype=dtype,
-                    max_shard_size=_limit(max_shard_size), **options)
+                    max_shard_size=shard_limit(max_shard_size), **options)
 
 
 def _side_files(ck: Checkpoint, out_dtype: str) -> tuple[list, list[str]]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-import zlib
 from typing import Any, Optional, Sequence
 
 from ..dtypes import import_torch, itemsize, torch_dtype
@@ -27,6 +26,7 @@ from ..layout.ranges import range_starts, slice_ranges
 from .sources import SourceFiles
 from .threads import CastHelper
 from .torchzip.zipfmt import crc32_combine
+from .crc32 import crc32
 
 #: stored bytes one thread reads, casts and writes at a time: with its cast (at most as many bytes again)
 #: and the part of the cast's scratch a step uses, two threads' pieces stay in the 8 MiB cache of the machine
@@ -87,7 +87,7 @@ def cast_pieces(gather: Sequence, dtype: str, sink, bufs, files: SourceFiles, sl
             cast_bytes(read[:k * si], src, out[:k * di], dtype, scratch)
             sink.put(a * di, out[:k * di])
             if crcs is not None:
-                crcs[i] = zlib.crc32(out[:k * di])
+                crcs[i] = crc32(out[:k * di])
 
     helper = CastHelper.get() if count > 1 else None
     if helper is not None and helper.lock.acquire(blocking=False):

@@ -5,8 +5,13 @@ The arithmetic is peft 0.21's ``merge_and_unload()`` on a base loaded in the mer
 with torch as peft does it (so that the result is peft's bit for bit):
 
 - ``linear``: ``(W.float() + scaling · B @ A).to(W.dtype)`` (``B @ A`` in fp32, then scaled);
+- ``conv1d`` (a Conv1D, ``W`` stored ``[in, out]``; peft's ``fan_in_fan_out``): ``(W.float() + (B @ A)ᵀ ·
+  scaling).to(W.dtype)``;
 - ``embedding``: ``W + ((B @ A)ᵀ · scaling).to(W.dtype)`` (peft rounds the delta to the weight's dtype first);
 - ``dora``: ``(m / ‖W + ΔW‖_row) · (W + ΔW)``, rounded to ``W.dtype``;
+- ``dora_embedding``, ``dora_conv1d`` (``ΔW = (B @ A)ᵀ · scaling``, ``W`` ``[vocab, hidden]``, resp. ``[in, out]``):
+  ``(m / ‖Wᵀ + ΔWᵀ‖_row)`` as a row, times ``W + ΔW``, rounded to ``W.dtype``: the magnitude is per column (one value
+  per hidden feature, resp. per output feature); the norm is taken over the transposed sum, as peft does;
 - ``bias``: the trained bias (or the base's) in the merge dtype, plus ``scaling · lora_B.bias`` where there is one;
 
 ``W`` being the base tensor as stored, widened to fp32 and rounded to the merge dtype. :func:`write_merged` is what
@@ -30,6 +35,8 @@ from .stformat import read_header
 from .streaming import read_ranges
 
 WHY_TORCH = "merging an adapter into its base (peft's arithmetic)"
+#: the merges whose delta is ``(B @ A)ᵀ``: an embedding's, a Conv1D's (stored ``[in, out]``)
+TRANSPOSED = ("embedding", "conv1d", "dora_embedding", "dora_conv1d")
 INDEX = "model.safetensors.index.json"
 WEIGHTS = "model.safetensors"
 
@@ -117,18 +124,23 @@ def merged_value(t: MergedTensor, files: SourceFiles, merge_dtype: Optional[str]
     base = w32.to(md)
     del w32
     a, b = factor("A"), factor("B")
-    if t.how == "embedding":  # peft's get_delta_weight of an Embedding: (B @ A)ᵀ scaled, rounded to W's dtype
-        delta = (b @ a).T * t.scaling
-        return base + delta.to(base.dtype)
-    delta = (b @ a) * t.scaling
+    transposed = t.how in TRANSPOSED
+    # peft's get_delta_weight: B @ A in fp32, transposed for an Embedding or a Conv1D (a view), then scaled
+    delta = ((b @ a).T if transposed else b @ a) * t.scaling
     del a, b
-    if t.how == "linear":
+    if t.how == "embedding":  # rounded to W's dtype before the sum
+        return base + delta.to(base.dtype)
+    if t.how in ("linear", "conv1d"):
         return (base.float() + delta).to(base.dtype)
-    if t.how != "dora":
+    if t.how not in ("dora", "dora_embedding", "dora_conv1d"):
         raise ValueError(f"{t.name}: no merge of kind {t.how!r}")
     magnitude = factor("magnitude")
-    norm = torch.linalg.norm(base + delta, dim=1).to(torch.float32)
-    return ((magnitude / norm).view(-1, 1) * (base + delta)).to(base.dtype)
+    if not transposed:
+        norm = torch.linalg.norm(base + delta, dim=1).to(torch.float32)
+        return ((magnitude / norm).view(-1, 1) * (base + delta)).to(base.dtype)
+    # the norm of each column, taken as peft takes it: over the rows of Wᵀ + ΔWᵀ (the same layouts, so the same sums)
+    norm = torch.linalg.norm(base.T + delta.T, dim=1).to(torch.float32)
+    return ((magnitude / norm).view(1, -1) * (base + delta)).to(base.dtype)
 
 
 def write_merged(t: MergedTensor, sink, files: SourceFiles, progress=lambda n: None) -> None:
@@ -183,9 +195,9 @@ def arithmetic_bytes(t: MergedTensor) -> int:
     held = n * s + (0 if s == 4 else 4 * n) + (0 if m == 4 else n * m)
     if t.how == "embedding":
         work = max(8 * n, 4 * n + 2 * n * m)
-    elif t.how == "linear":
+    elif t.how in ("linear", "conv1d"):
         work = max(8 * n, 4 * n + (4 * n if m != 4 else 0) + 4 * n + (n * m if m != 4 else 0))
-    elif t.how == "dora":
+    elif t.how in ("dora", "dora_embedding", "dora_conv1d"):
         work = max(8 * n, 12 * n + (n * m if m != 4 else 0))
     else:
         work = 8 * n + n * m
@@ -200,4 +212,4 @@ def _numel(shape) -> int:
 
 
 __all__ = ["base_files", "base_headers", "stored_ranges", "find_base_tensor", "merged_value", "write_merged",
-           "largest_gap", "arithmetic_bytes", "WHY_TORCH"]
+           "largest_gap", "arithmetic_bytes", "WHY_TORCH", "TRANSPOSED"]

@@ -22,7 +22,7 @@ import ctypes
 import mmap
 import os
 import sys
-import zlib
+import threading
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from ..dtypes import TORCH_TENSORS, import_torch, itemsize, torch_dtype
@@ -31,7 +31,9 @@ from ..plan import DEFAULT_CHUNK_BYTES, FIXED_OVERHEAD_BYTES, predicted_peak_byt
 from ..progress import check_cancel
 from .sources import SourceFiles
 from .castcopy import cast_bytes, cast_pieces
+from .crc import CRC_PIECE_BYTES, joined_crc
 from .threads import thread_room
+from .crc32 import crc32
 
 if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor
@@ -44,8 +46,8 @@ class ChunkBuffers:
     writes anything); their pages are only touched where bytes go through them, so a run whose bytes are
     all copied inside the kernel leaves them untouched. Nothing here needs numpy or torch until a cast.
 
-    Memory: ``3 * chunk_bytes`` (plus the cast scratch once a cast runs), whatever the dtypes and
-    tensor sizes.
+    Memory: ``3 * chunk_bytes`` (plus the cast scratch once a cast runs, and 256 KiB once the CRC-32 of a
+    kernel copy is checked), whatever the dtypes and tensor sizes.
     """
 
     def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
@@ -55,6 +57,7 @@ class ChunkBuffers:
         self._cast_start = ctypes.c_char.from_buffer(self._cast)  # for memset
         self._zeroed = self.chunk_bytes  # the cast buffer holds zeros up to here (a new map is all zeros)
         self._scratch = None
+        self._crc: Optional[memoryview] = None
         self._pool: Optional[ThreadPoolExecutor] = None
 
     @property
@@ -96,6 +99,14 @@ class ChunkBuffers:
         self._zeroed = 0
         at = lane * half
         return memoryview(self._read[slot])[at:at + read_bytes], memoryview(self._cast)[at:at + out_bytes]
+
+    @property
+    def crc_piece(self) -> memoryview:
+        """A small buffer (:data:`~ckptlib.io.crc.CRC_PIECE_BYTES`, made on first use) through which the
+        read-ahead thread reads again the bytes a kernel copy moves, for their CRC-32."""
+        if self._crc is None:
+            self._crc = memoryview(_private_map(CRC_PIECE_BYTES))
+        return self._crc
 
     @property
     def scratch(self):
@@ -228,7 +239,9 @@ def copy_ranges(ranges: Sequence, dtype: str, sink, bufs: ChunkBuffers, files: S
     ``sink`` has ``write(memoryview[, crc])`` and optionally ``copy_from(fd, offset, nbytes)``
     (``can_copy``) and ``takes_crc``. Long same-dtype ranges go inside the kernel when the sink can; the
     rest is read (in the read-ahead thread, short ranges gathered back to back into one buffer), cast
-    where the stored dtype differs, and written a chunk at a time. With ``drop_cache`` the page-cache
+    where the stored dtype differs, and written a chunk at a time. Where ``files`` checks the CRC-32 of the
+    source (:class:`~ckptlib.io.crc.CrcSourceFiles`) it is computed beside each read, in the read-ahead thread
+    (beside a kernel copy, on the same pages: :func:`crc_beside`). With ``drop_cache`` the page-cache
     pages of each source range are released once copied. ``cancel`` (anything with ``is_set()``) stops
     it at the next chunk. Memory: the buffers ``bufs``; nothing per chunk.
     """
@@ -256,6 +269,7 @@ def copy_ranges(ranges: Sequence, dtype: str, sink, bufs: ChunkBuffers, files: S
 
     submit(0)
     k = total = 0
+    besides: list = []  # the CRC-32s of kernel copies being read beside them (crc_beside), oldest first
     try:
         for i, it in enumerate(items):
             check_cancel(cancel)
@@ -264,9 +278,14 @@ def copy_ranges(ranges: Sequence, dtype: str, sink, bufs: ChunkBuffers, files: S
                 sink.write(bufs.zeros(nbytes))
             elif it[0] == "copy":
                 r = it[1]
+                pages = crc_beside(files, bufs, r, drop_cache, besides)
                 sink.copy_from(files.fd(r.path), r.offset, r.nbytes)
                 files.count(r.nbytes)
                 nbytes = r.nbytes
+                if pages is not None:
+                    pages.done()
+                elif drop_cache:
+                    files.drop_cache(r.path, r.offset, r.nbytes)
             else:
                 gather = it[1]
                 count = sum(r.count for r in gather)
@@ -286,21 +305,76 @@ def copy_ranges(ranges: Sequence, dtype: str, sink, bufs: ChunkBuffers, files: S
                         sink.write(chunk)
                 k += 1
                 nbytes = count * size
-            if drop_cache and it[0] == "copy":
-                files.drop_cache(it[1].path, it[1].offset, it[1].nbytes)
             progress(nbytes)
             total += nbytes
+        for fut in besides:
+            fut.result()  # every CRC-32 noted before the range list counts as written
     finally:
-        for fut in ahead.values():  # a failure or cancel: let the read-ahead finish before its buffer is reused
-            fut.cancel() or fut.exception()
+        for fut in [*ahead.values(), *besides]:  # a failure or cancel: let the read-ahead finish before its buffer
+            fut.cancel() or fut.exception()    # is reused
     return total
+
+
+#: kernel copies whose bytes the read-ahead thread may still be reading for their CRC-32 (:func:`crc_beside`)
+CRC_BEHIND = 4
+
+
+class _CopiedPages:
+    """The source pages of a kernel copy whose bytes are also read for their CRC-32: they leave the page cache
+    (with ``drop``) once both the copy and that read are done, whichever ends last."""
+
+    def __init__(self, files: SourceFiles, r: StoredRange, drop: bool):
+        self.files, self.r, self.drop = files, r, drop
+        self.left = 2
+        self.lock = threading.Lock()
+
+    def done(self) -> None:
+        with self.lock:
+            self.left -= 1
+            last = self.left == 0
+        if last and self.drop:
+            self.files.drop_cache(self.r.path, self.r.offset, self.r.nbytes)
+
+    def crc(self, buf: memoryview) -> None:  # in the read-ahead thread
+        try:
+            self.files.crc_span(self.r.path, self.r.offset, self.r.nbytes, buf)
+        finally:
+            self.done()
+
+
+def crc_beside(files: SourceFiles, bufs: ChunkBuffers, r: StoredRange, drop: bool, besides: list):
+    """For a copy inside the kernel of stored range ``r`` whose CRC-32 ``files`` checks
+    (:meth:`~ckptlib.io.crc.CrcSourceFiles.crc_span`): its bytes read again for it in the read-ahead thread,
+    beside the copy and the next ones (at most :data:`CRC_BEHIND` behind; their futures go to ``besides``).
+    Returns the pages' :class:`_CopiedPages` (the copy calls ``done()``), or None where nothing is checked."""
+    if getattr(files, "crc_span", None) is None or not files.tracks(r.path):
+        return None
+    while len(besides) >= CRC_BEHIND:
+        besides.pop(0).result()
+    pages = _CopiedPages(files, r, drop)
+    besides.append(bufs.pool.submit(pages.crc, bufs.crc_piece))
+    return pages
 
 
 def _read_gather(files: SourceFiles, gather: Sequence, out: memoryview, crc: bool, drop: bool = False) -> tuple:
     """:meth:`SourceFiles.read_gather` (in the read-ahead thread); returns ``out``, its CRC-32 with ``crc``
-    (else None) and the spans read."""
-    spans = files.read_gather(gather, out, drop)
-    return out, (zlib.crc32(out) if crc else None), spans
+    (else None; from the CRC-32s of the spans where a :class:`~ckptlib.io.crc.CrcSourceFiles` computed them
+    as it read) and the spans read."""
+    with_crc = getattr(files, "read_gather_crc", None)
+    if with_crc is None:
+        spans = files.read_gather(gather, out, drop)
+        return out, (crc32(out) if crc else None), spans
+    spans = with_crc(gather, out, drop, crc)
+    return out, (joined_crc(spans, out) if crc else None), spans
+
+
+def copy_file(src: str, sink, nbytes: int, bufs: ChunkBuffers, files: SourceFiles,
+              progress: Callable[[int], None] = lambda n: None, cancel: Any = None) -> int:
+    """Copy the first ``nbytes`` of file ``src`` into ``sink`` as one range of bytes (:func:`copy_ranges`: inside
+    the kernel where the sink can, a chunk at a time), so that ``files`` sees every byte: a
+    :class:`~ckptlib.io.crc.CrcSourceFiles` checks the CRC-32 of the zip members in it as they pass. Returns the
+    bytes written. Memory: the buffers ``bufs``."""
+    return copy_ranges([StoredRange(src, 0, "uint8", nbytes)], "uint8", sink, bufs, files, progress, cancel)
 
 
 def fill_bytes(ranges: Sequence, dtype: str, files: SourceFiles, out: memoryview,
@@ -330,12 +404,14 @@ def first_difference(a: Sequence, b: Sequence, dtype: str, files: SourceFiles,
 
 
 def first_differences(a: Sequence, others: Sequence[Sequence], dtype: str, files: SourceFiles,
-                      chunk_bytes: int = DEFAULT_CHUNK_BYTES, cancel: Any = None) -> list[Optional[int]]:
+                      chunk_bytes: int = DEFAULT_CHUNK_BYTES, cancel: Any = None,
+                      a_files: Optional[SourceFiles] = None) -> list[Optional[int]]:
     """For each of ``others``, the first element where it differs from ``a`` bit for bit (both read as
     ``dtype``; 0 when the lengths differ), or None where equal. ``a`` is read once for all of them (a
-    tensor stored on several ranks, compared with its first copy). Ranges stored in ``dtype`` are read by
-    scatter reads (:meth:`SourceFiles.read_gather`); the bytes are compared eight at a time. Memory: two
-    chunks of ``chunk_bytes``. No torch."""
+    tensor stored on several ranks, compared with its first copy), through ``a_files`` if given (a run reads
+    the others through the reader that checks their CRC-32s, ``a`` where its writers read it). Ranges stored
+    in ``dtype`` are read by scatter reads (:meth:`SourceFiles.read_gather`); the bytes are compared eight at a
+    time. Memory: two chunks of ``chunk_bytes``. No torch."""
     import numpy as np
 
     n = numel(a)
@@ -348,18 +424,18 @@ def first_differences(a: Sequence, others: Sequence[Sequence], dtype: str, files
     x, y = (np.empty(min(step, n) * size, dtype=np.uint8) for _ in range(2))
     starts = [range_starts(a)] + [range_starts(b) for b in others]
 
-    def fill(ranges: Sequence, at: list, pos: int, k: int, out) -> None:
+    def fill(ranges: Sequence, at: list, pos: int, k: int, out, reader: SourceFiles = files) -> None:
         part = slice_ranges(ranges, pos, k, at)
         if all(isinstance(r, StoredRange) and r.dtype == dtype for r in part):
-            files.read_gather(part, memoryview(out))
+            reader.read_gather(part, memoryview(out))
         else:
-            fill_bytes(part, dtype, files, memoryview(out))
+            fill_bytes(part, dtype, reader, memoryview(out))
 
     for pos in range(0, n, step):
         check_cancel(cancel)
         k = min(step, n - pos)
         xs, ys = x[:k * size], y[:k * size]
-        fill(a, starts[0], pos, k, xs)
+        fill(a, starts[0], pos, k, xs, a_files or files)
         wide = np.uint64 if xs.nbytes % 8 == 0 else np.uint8
         for i in list(todo):
             fill(others[i], starts[i + 1], pos, k, ys)
@@ -399,4 +475,4 @@ def _tensor_bytes(t) -> memoryview:
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "FIXED_OVERHEAD_BYTES", "predicted_peak_bytes", "ChunkBuffers", "load_cast_kernels",
            "openblas_threads",
-           "cast_bytes", "copy_ranges", "fill_bytes", "read_ranges", "first_difference", "first_differences"]
+           "cast_bytes", "copy_ranges", "copy_file", "fill_bytes", "read_ranges", "first_difference", "first_differences"]

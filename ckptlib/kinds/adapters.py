@@ -22,7 +22,8 @@ PeftModel (DeepSpeed)                               peft's file                 
 (every name starts ``base_model.model.``). ``<s>.original_module.<p>`` is the frozen copy peft keeps and never
 saves. :func:`saved_name` maps one name, :func:`adapter_names` a whole checkpoint (or refuses, with the reason);
 :func:`parse_config` reads ``adapter_config.json`` (a dict) into an :class:`AdapterConfig`, refusing what ckptlib
-cannot place. Plain data and pure functions.
+cannot place; :func:`conv1d_modules` tells the targeted layers that store their weight transposed (transformers'
+Conv1D, GPT-2's: peft's ``fan_in_fan_out``). Plain data and pure functions.
 """
 from __future__ import annotations
 
@@ -79,6 +80,8 @@ class AdapterConfig:
         raw: the parsed JSON, as it was.
         rank_pattern, alpha_pattern: ``((regex, value), ...)`` in the config's order (:meth:`module_scaling`).
         lora_bias: whether ``lora_B`` has a bias of its own (``lora_bias=True``), added to the base layer's by a merge.
+        fan_in_fan_out: the config's flag (peft sets it on each Conv1D layer it wraps, and clears it on each
+            ``nn.Linear``: the saved flag is the last layer's; :func:`conv1d_modules` tells the layers).
     """
 
     peft_type: str
@@ -96,6 +99,7 @@ class AdapterConfig:
     rank_pattern: tuple = ()
     alpha_pattern: tuple = ()
     lora_bias: bool = False
+    fan_in_fan_out: bool = False
 
     def module_scaling(self, module: str) -> tuple[int, float, float]:
         """``(r, alpha, scaling)`` of one targeted module (its path in the base model, ``model.layers.0.q_proj``), as
@@ -185,7 +189,7 @@ def parse_config(config: dict, source: str = CONFIG_FILE) -> AdapterConfig:
                          patterns=bool(config.get("rank_pattern") or config.get("alpha_pattern")), raw=config,
                          rank_pattern=_pattern(config, "rank_pattern", source),
                          alpha_pattern=_pattern(config, "alpha_pattern", source),
-                         lora_bias=bool(config.get("lora_bias")))
+                         lora_bias=bool(config.get("lora_bias")), fan_in_fan_out=bool(config.get("fan_in_fan_out")))
 
 
 def split(name: str) -> Optional[tuple[str, str, str]]:
@@ -273,6 +277,67 @@ def base_tensor_of(saved: str, kind: str) -> tuple[str, str]:
     return rest, "whole"
 
 
+#: transformers' models whose linear layers are ``Conv1D`` (``transformers.pytorch_utils.Conv1D``: the weight stored
+#: ``[in, out]``, the transpose of ``nn.Linear``'s ``[out, in]``), by ``model_type``: the names of those layers; every
+#: other linear layer of these models is an ``nn.Linear`` (tests/test_adapters.py holds the table against the models'
+#: own modules). peft gives each Conv1D layer ``fan_in_fan_out`` itself, whatever the config says: the saved config's
+#: flag is that of the last layer it wrapped, not a fact about every layer.
+CONV1D_LAYERS = {"gpt2": ("c_attn", "q_attn", "c_proj", "c_fc"), "openai-gpt": ("c_attn", "c_proj", "c_fc"),
+                 "imagegpt": ("c_attn", "q_attn", "c_proj", "c_fc"),
+                 "decision_transformer": ("c_attn", "q_attn", "c_proj", "c_fc")}
+_ASK_PEFT = "export the adapter (--adapter), load it with peft and merge_and_unload()"
+
+
+def conv1d_modules(layers: dict, model_type: Optional[str], fan_in_fan_out: bool, source=None) -> set:
+    """The LoRA-targeted linear layers that store their weight transposed (transformers' ``Conv1D``; peft merges them
+    with ``fan_in_fan_out``: ``W + (scaling · B @ A)ᵀ``). ``layers``: ``{module path: (the base weight's shape,
+    in_features, out_features)}`` (``in``: lora_A's columns, ``out``: lora_B's rows); ``model_type``: the base's
+    ``config.json`` says it (None: no config); ``fan_in_fan_out``: the adapter config's flag.
+
+    A model of :data:`CONV1D_LAYERS` is told by its layers' names (and every shape must agree); another by the shapes,
+    ``[in, out]`` being a Conv1D's, ``[out, in]`` an ``nn.Linear``'s. A square layer of such a model is taken for an
+    ``nn.Linear`` only while nothing says the model has Conv1D layers (no layer stored ``[in, out]``, the flag unset).
+
+    Raises:
+        CkptError: a base weight of neither shape, or of the other layer's (another model); a square layer whose
+            layout cannot be told, naming it."""
+    known = CONV1D_LAYERS.get(model_type or "")
+    out, square = set(), []
+    for module, (shape, fin, fout) in layers.items():
+        shape, linear, conv = tuple(shape), (fout, fin), (fin, fout)
+        if known is not None:
+            is_conv = module.rsplit(".", 1)[-1] in known
+            want = conv if is_conv else linear
+            if shape != want:
+                raise CkptError(f"the base's {module}.weight is {list(shape)}, the adapter's is {list(want)} (a "
+                                f"{model_type} {module.rsplit('.', 1)[-1]} is "
+                                + ("a Conv1D, stored [in, out]" if is_conv else "an nn.Linear, stored [out, in]")
+                                + "): another model", path=source, hint="give the base model the adapter was trained on")
+        elif shape not in (linear, conv):
+            raise CkptError(f"the base's {module}.weight is {list(shape)}, the adapter's is {list(linear)}: another "
+                            "model", path=source, hint="give the base model the adapter was trained on")
+        elif linear == conv:
+            square.append(module)
+            continue
+        else:
+            is_conv = shape == conv
+        if is_conv:
+            out.add(module)
+    if square and (out or fan_in_fan_out):
+        why = f"{len(out)} of its targeted layers are stored [in, out]" if out else "the adapter config sets fan_in_fan_out"
+        raise CkptError(f"the base's {square[0]}.weight is square, in a model (model_type {model_type!r}) whose Conv1D "
+                        f"layers ckptlib does not know, and {why}: whether {square[0]} is a Conv1D (stored transposed) "
+                        "cannot be told from the files", path=source, hint=_ASK_PEFT)
+    return out
+
+
+def dora_embeddings(mapping: dict[str, tuple[str, str]]) -> list[str]:
+    """The embeddings an adapter trains with DoRA (``lora_embedding_A`` and a magnitude on one module), by their path
+    in the base model."""
+    parts = base_tensors(mapping)
+    return [t.rsplit(".", 1)[0] for t, p in parts.items() if "lora_embedding_A" in p and "lora_magnitude_vector" in p]
+
+
 def base_tensors(mapping: dict[str, tuple[str, str]]) -> dict[str, dict[str, str]]:
     """``{base tensor: {part: the checkpoint's (PeftModel's) name}}`` of an adapter (:func:`adapter_names`'s
     mapping), in the checkpoint's order: what each base tensor of the model gets from the adapter (parts as
@@ -285,4 +350,5 @@ def base_tensors(mapping: dict[str, tuple[str, str]]) -> dict[str, dict[str, str
 
 
 __all__ = ["AdapterConfig", "parse_config", "split", "saved_name", "looks_like_adapter", "adapter_names", "counts",
-           "base_tensor_of", "base_tensors", "CONFIG_FILE", "WEIGHTS_FILE", "PREFIX", "README"]
+           "base_tensor_of", "base_tensors", "conv1d_modules", "dora_embeddings", "CONV1D_LAYERS", "CONFIG_FILE",
+           "WEIGHTS_FILE", "PREFIX", "README"]

@@ -10,6 +10,7 @@ from ..deepspeed import BF16_OPTIMIZER, NO_ZERO, Checkpoint, SplitRules, load_ru
 from ..deepspeed import files as fnames
 from ..deepspeed.exactness import replica_checks, require_exact, value_proofs
 from ..errors import CkptError, UnsupportedCheckpointError
+from ..io.crc import attach_crc
 from ..io.streaming import DEFAULT_CHUNK_BYTES
 from ..kinds.optimizers import UNKNOWN
 from ..mesh import Mesh
@@ -109,7 +110,7 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
                  ep: Optional[int] = None, pp_partition: Optional[str] = None, pp_layers: Optional[int] = None,
                  pp_tied: Optional[dict] = None, tag: Optional[str] = None, overwrite: bool = False,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, workers: Optional[int] = None, tp_rules=None,
-                 hf_files: bool = True, sync: bool = True, gpu_memory=None, verify_crc: bool = False,
+                 hf_files: bool = True, sync: bool = True, gpu_memory=None, verify_crc: bool = True,
                  model_config=None) -> ReshardPlan:
     """Plan rewriting a ZeRO-1/2/3 checkpoint for ``world_size`` data-parallel ranks (metadata only), and
     for ``tp`` tensor-parallel ranks and ``pp`` pipeline stages (unnamed sizes are kept).
@@ -142,8 +143,8 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
     the ``config.json`` beside the tag folders), which says how AutoTP cuts it at another tensor size above 1
     (:mod:`ckptlib.reshard.autotp`).
 
-    ``verify_crc``: verify the CRC-32 of every zip member of the tag folder's torch files before writing
-    (one more read of the checkpoint; a mismatch is refused, naming the file and member).
+    ``verify_crc``: check the CRC-32 of every zip member the reshard reads (copied files included) as its bytes
+    stream (default; a mismatch is refused, naming the file and member, and nothing is written; False: unchecked).
 
     Memory: the plan (object trees whose tensors are range lists, not read yet).
     """
@@ -167,24 +168,24 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
             files, notes, tag_name = plan_autoep_from_universal(ck, mesh, hf_files=hf_files)
         else:
             (files, notes), tag_name = plan_autoep_files(ck, mesh, hf_files=hf_files), ck.location.tag
-        return ReshardPlan(source=ck.source_ref(), out=Path(out).expanduser().resolve(), world_size=world_size,
+        return with_crc(ck, verify_crc, ReshardPlan(
+                           source=ck.source_ref(), out=Path(out).expanduser().resolve(), world_size=world_size,
                            files=files, finals=[TextFile("latest", tag_name, kind="latest")],
                            folders=[tag_name], chunk_bytes=chunk_bytes, overwrite=overwrite, sync=sync,
                            notes=notes + optimizer_notes(ck), checks=replica_checks(ck) + value_proofs(ck),
-                           workers=workers or default_workers(), from_mesh=ck.mesh, to_mesh=mesh, gpu_memory=gpu,
-                           crc=every_entry(ck) if verify_crc else [])
+                           workers=workers or default_workers(), from_mesh=ck.mesh, to_mesh=mesh, gpu_memory=gpu))
     if ck.num_experts:  # experts regrouped for the new expert-parallel and data-parallel sizes
         if (mesh.tp, mesh.pp) != (ck.mesh.tp, ck.mesh.pp):
             raise UnsupportedCheckpointError("changing the tensor or pipeline size of a mixture-of-experts checkpoint "
                                              "is not supported yet", path=ck.location.tag_dir)
         files, notes, prints = plan_moe_files(ck, mesh, hf_files=hf_files)
-        return ReshardPlan(source=ck.source_ref(), out=Path(out).expanduser().resolve(), world_size=world_size,
+        return with_crc(ck, verify_crc, ReshardPlan(
+                           source=ck.source_ref(), out=Path(out).expanduser().resolve(), world_size=world_size,
                            files=files, finals=[TextFile("latest", ck.location.tag, kind="latest")],
                            folders=[ck.location.tag], chunk_bytes=chunk_bytes, overwrite=overwrite, sync=sync,
                            notes=notes, checks=replica_checks(ck), workers=workers or default_workers(),
                            from_mesh=ck.mesh, to_mesh=mesh, footprints=prints, gpu_memory=gpu,
-                           state_keys=state_bytes(ck)[1],
-                           crc=every_entry(ck) if verify_crc else [])
+                           state_keys=state_bytes(ck)[1]))
     if mesh.ep != ck.mesh.ep:
         raise UnsupportedCheckpointError("this checkpoint has no experts: there is no expert-parallel size to change",
                                          path=ck.location.tag_dir)
@@ -193,12 +194,13 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
         files, notes, checks, folders, prints = plan_mesh_files(
             ck, mesh, tp_rules=given or ck.tp_rules, pp_partition=pp_partition, pp_layers=pp_layers, pp_tied=pp_tied,
             hf_files=hf_files, model_config=model_config)
-        return ReshardPlan(source=ck.source_ref(), out=Path(out).expanduser().resolve(), world_size=world_size,
+        return with_crc(ck, verify_crc, ReshardPlan(
+                           source=ck.source_ref(), out=Path(out).expanduser().resolve(), world_size=world_size,
                            files=files, finals=[TextFile("latest", folders[0], kind="latest")], folders=folders,
                            chunk_bytes=chunk_bytes, overwrite=overwrite, sync=sync,
                            notes=notes + optimizer_notes(ck), checks=checks,
                            workers=workers or default_workers(), from_mesh=ck.mesh, to_mesh=mesh, footprints=prints,
-                           gpu_memory=gpu, state_keys=state_bytes(ck)[1], crc=every_entry(ck) if verify_crc else [])
+                           gpu_memory=gpu, state_keys=state_bytes(ck)[1]))
     refuse_unsupported(ck)
     tag_name = ck.location.tag
     files: list = []
@@ -234,17 +236,17 @@ def plan_reshard(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str
     prints = [footprint(sum(p.numel for p in zs.parameters if p.trainable and not p.tied_to), ck.dtype,
                         ck.zero_stage or 0, world_size, bf16_optimizer=ck.flavor == BF16_OPTIMIZER,
                         stage=zs.coordinate.pp, tp=zs.coordinate.tp, per_element=per) for zs in ck.sets.values()]
-    return ReshardPlan(footprints=prints, state_keys=keys, gpu_memory=gpu, from_mesh=ck.mesh, source=ck.source_ref(), out=Path(out).expanduser().resolve(), world_size=world_size,
+    return with_crc(ck, verify_crc, ReshardPlan(
+                       footprints=prints, state_keys=keys, gpu_memory=gpu, from_mesh=ck.mesh, source=ck.source_ref(), out=Path(out).expanduser().resolve(), world_size=world_size,
                        files=files, finals=[TextFile("latest", tag_name, kind="latest")], folders=[tag_name],
                        chunk_bytes=chunk_bytes, overwrite=overwrite, sync=sync, notes=notes,
-                       workers=workers or default_workers(), checks=replica_checks(ck),
-                       crc=every_entry(ck) if verify_crc else [])
+                       workers=workers or default_workers(), checks=replica_checks(ck)))
 
 
-def every_entry(ck: Checkpoint) -> list:
-    """Every zip member of every torch file of the tag folder (what ``--verify-crc`` verifies for a reshard,
-    which reads or copies all of them)."""
-    return [e for entries in ck.zip_entries(every=True).values() for e in entries]
+def with_crc(ck: Checkpoint, verify_crc: bool, plan: Plan) -> Plan:
+    """``plan`` with the CRC-32 checks of what it reads (:func:`ckptlib.io.crc.attach_crc`; none without
+    ``verify_crc``). Reads the zip directories of the files it copies whole that are not open yet."""
+    return attach_crc(plan, ck.zip_entries() if verify_crc else None)
 
 
 def refuse_unplaced_states(ck: Checkpoint) -> None:
@@ -291,4 +293,4 @@ def refuse_unsupported(ck: Checkpoint) -> None:
 
 __all__ = ["ReshardPlan", "plan_reshard", "default_workers", "refuse_unsupported", "refuse_unplaced_states",
            "optimizer_notes",
-           "every_entry"]
+           "with_crc"]

@@ -106,7 +106,7 @@ from ..plan import Plan, TextFile
 from ..units import human_bytes
 from .moe_universal import (EP_NUM_EXPERTS, EXPORT_HINT, IS_EXPERT_PARAM, expert_folders, moe_notes, renamed_groups,
                             stacked_entries, target_ep)
-from .plan import default_workers, every_entry, optimizer_notes, refuse_unplaced_states, refuse_unsupported
+from .plan import default_workers, optimizer_notes, refuse_unplaced_states, refuse_unsupported, with_crc
 from .trees import carried, client_files, copied, replace, stored_dtype, streamed, tree_file
 
 UNIVERSAL_SUFFIX = "_universal"
@@ -360,7 +360,7 @@ def _model_state_files(ck: Checkpoint, utag: str) -> list:
 def plan_universal(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[str, os.PathLike], *,
                    tag: Optional[str] = None, overwrite: bool = False,
                    chunk_bytes: int = DEFAULT_CHUNK_BYTES, workers: Optional[int] = None,
-                   tp_rules=None, hf_files: bool = True, sync: bool = True, verify_crc: bool = False,
+                   tp_rules=None, hf_files: bool = True, sync: bool = True, verify_crc: bool = True,
                    ep: Optional[int] = None) -> UniversalPlan:
     """Plan writing the universal checkpoint of a ZeRO-1/2/3 (or BF16_Optimizer) checkpoint (metadata only).
 
@@ -450,19 +450,20 @@ def plan_universal(checkpoint: Union[Checkpoint, str, os.PathLike], out: Union[s
     load = ['load it with "checkpoint": {"load_universal": true} in the DeepSpeed config'
             + (" (the dict or JSON file given to TrainingArguments(deepspeed=...) or to Accelerate's "
                "DeepSpeedPlugin)" if carried else "")]
-    return UniversalPlan(source=ck.source_ref(), out=Path(out).expanduser().resolve(), universal_tag=utag,
+    return with_crc(ck, verify_crc, UniversalPlan(
+                         source=ck.source_ref(), out=Path(out).expanduser().resolve(), universal_tag=utag,
                          files=files, finals=[TextFile(LATEST_UNIVERSAL, utag, kind="latest")],
                          folders=[f"{utag}/zero"], chunk_bytes=chunk_bytes, ep=moe_ep,
                          experts={n: [local, names.index(n), len(names)] for local, names in folders.items()
                                   for n in names}, overwrite=overwrite, sync=sync,
-                         checks=replica_checks(ck), crc=every_entry(ck) if verify_crc else [],
+                         checks=replica_checks(ck),
                          notes=src.notes + _notes(ck, tied, skipped_frozen) + moe_notes(ck, moe_ep) + carried_notes
                          + ([f"AutoEP experts: each folder holds the full [{ck.records.autoep_layers[0].num_experts}, ...] "
                              "weight (is_expert_param, ep_num_experts): DeepSpeed's loader takes each expert-parallel "
                              "rank's rows, at any expert-parallel size"] if autoep_experts else [])
                          + optimizer_notes(ck)
                          + load,
-                         workers=workers or default_workers())
+                         workers=workers or default_workers()))
 
 
 __all__ = ["plan_universal", "UniversalPlan", "LATEST_UNIVERSAL", "UNIVERSAL_SUFFIX", "check_name"]

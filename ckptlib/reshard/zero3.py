@@ -56,7 +56,8 @@ class Zero3Writer:
         inner = osd0["optimizer_state_dict"]
         rg = t.partition_tensor(t.rank(0), 0).requires_grad
         flats = [streamed(stored_dtype(ranges) or self.master_dtype(k), ranges, requires_grad=rg)
-                 for ranges in (self.sub_group_ranges(k, rank, None) for k in range(len(self.dst.sub_group_sizes)))]
+                 for k, ranges in ((k, self.sub_group_ranges(k, rank, None))
+                                   for k in range(len(self.dst.sub_group_sizes)))]
         state = type(inner["state"])()
         groups = []
         for g, group in enumerate(inner["param_groups"]):

@@ -248,8 +248,8 @@ def muon_picture(ckpt: "ckptlib.Checkpoint") -> Optional[Picture]:
         ax.set_xlim(0, longest * 1.02)
         ax.set_ylim(-0.6, n - 0.4)
         ax.tick_params(axis="x", labelsize=7)
-        ax.set_title(f"{g['label']} ({g['optimizer']}): each rank keeps the whole {g['key']} of every matrix its "
-                     f"partition of {g['partition']:,} elements touches", fontsize=9, loc="left")
+        ax.set_title(f"{g['label']} ({g['optimizer']}): each rank keeps the whole {g['key']} of every matrix\n"
+                     f"its partition of {g['partition']:,} elements touches", fontsize=9, loc="left")
     ax.set_xlabel("elements (a partition from its start; a momentum buffer from its start)", fontsize=8)
     fig.legend(handles=[Patch(facecolor="#dddddd", edgecolor="#C62828", hatch="xx", linewidth=1.6,
                               label="straddles a partition boundary: held whole by both ranks")],

@@ -29,6 +29,9 @@ from ..torchzip.opcodes import emit_container, emit_scalar
 from ..torchzip.standins import TorchSize
 
 VERSION = "1.0.0"  # torch.distributed.checkpoint.filesystem.CURRENT_DCP_VERSION in torch 2.4 to 2.13
+#: how a DCP folder stores its bytes (:attr:`DcpMetadata.storage`); ``ckpt export --dcp-storage`` writes all but
+#: ``safetensors`` (torch 2.13's own ``FileSystemReader`` cannot load that one: docs/dcp.md)
+STORAGES = ("torch", "safetensors", "hf", "hf-sharded")
 MODULE = "torch.distributed.checkpoint.metadata"
 STORAGE_INFO = ("torch.distributed.checkpoint.filesystem", "_StorageInfo")
 
@@ -36,13 +39,16 @@ STORAGE_INFO = ("torch.distributed.checkpoint.filesystem", "_StorageInfo")
 @dataclass(frozen=True)
 class Chunk:
     """One stored chunk of a tensor: ``sizes`` elements from ``offsets`` (per dimension) of the full
-    tensor, whose ``torch.save`` archive is ``length`` bytes at ``offset`` of ``file`` (relative path)."""
+    tensor, whose ``torch.save`` archive is ``length`` bytes at ``offset`` of ``file`` (relative path);
+    ``raw``: the chunk's elements themselves, row-major, are those bytes (a safetensors file's data:
+    :mod:`ckptlib.io.dcp.sharding`)."""
 
     offsets: tuple
     sizes: tuple
     file: str
     offset: int
     length: int
+    raw: bool = False
 
     @property
     def numel(self) -> int:
@@ -72,13 +78,23 @@ class BytesEntry:
 @dataclass
 class DcpMetadata:
     """What a ``.metadata`` says: the entries in order, the nesting each key was flattened from
-    (``planner_data``: key -> tuple of str/int), and where the checkpoint says it was saved."""
+    (``planner_data``: key -> tuple of str/int), and where the checkpoint says it was saved.
+
+    ``storage``: how the bytes are stored (:data:`STORAGES`): ``torch`` (each item a ``torch.save`` archive),
+    ``safetensors`` (``FileSystemWriter(serialization_format=SAFETENSORS)``: a ``.metadata`` and ``.distcp``
+    files whose tensors are a safetensors file's data), ``hf`` / ``hf-sharded`` (``HuggingFaceStorageWriter``:
+    safetensors files and no ``.metadata``; the entries are made from their headers). ``described_by``: the
+    files besides the chunks' that say what the folder holds (``.metadata``, the HF index); ``notes``: what a
+    reader should know (how the sizes were found)."""
 
     entries: list
     planner_data: dict = field(default_factory=dict)
     checkpoint_id: Optional[str] = None
     save_id: Optional[str] = None
     version: Optional[str] = VERSION
+    storage: str = "torch"
+    described_by: list = field(default_factory=lambda: [".metadata"])
+    notes: list = field(default_factory=list)
 
     @property
     def tensors(self) -> list:
@@ -209,4 +225,4 @@ class _Key:
     index: Optional[int]
 
 
-__all__ = ["VERSION", "Chunk", "TensorEntry", "BytesEntry", "DcpMetadata", "metadata_pickle"]
+__all__ = ["VERSION", "STORAGES", "Chunk", "TensorEntry", "BytesEntry", "DcpMetadata", "metadata_pickle"]

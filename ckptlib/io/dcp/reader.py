@@ -13,11 +13,14 @@ Memory: the metadata pickle; per chunk, its archive's directory and pickle (a fe
 from __future__ import annotations
 
 import io
+import math
 import os
 import pickle
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
+from ...dtypes import itemsize
 from ...errors import CkptError, IncompleteCheckpointError, UnsafeCheckpointError
 from ...layout.ranges import StoredRange
 from ..torchzip import zipfmt
@@ -26,6 +29,7 @@ from ..torchzip.standins import Standin, TorchSize, standin_class
 from ..torchzip.unpickler import SafeUnpickler
 from .layout import SUFFIX
 from .metadata import BytesEntry, Chunk, DcpMetadata, TensorEntry
+from .sharding import read_blob, starts_safetensors
 
 METADATA = ".metadata"
 _M = "torch.distributed.checkpoint.metadata"
@@ -157,6 +161,67 @@ def _plain(md, where: str) -> DcpMetadata:
                        version=getattr(md, "version", None))
 
 
+# ============================================================================================ storage
+def read_folder_metadata(folder: os.PathLike) -> DcpMetadata:
+    """:func:`read_metadata`, with each tensor chunk located: where a ``.distcp`` file holds its tensors as a
+    safetensors file (``FileSystemWriter(serialization_format=SAFETENSORS)``: every chunk of the file names the
+    same offset, where that safetensors file begins; see :mod:`ckptlib.io.dcp.sharding`), each chunk becomes its
+    raw bytes in it, found by its key in the header and checked against it (dtype, sizes, offsets, length);
+    the ``storage`` is then ``safetensors``. Reads each ``.distcp`` file's first bytes there and its header.
+
+    Raises:
+        IncompleteCheckpointError: a chunk the safetensors header does not hold as the ``.metadata`` says, or a
+            folder mixing both serializations.
+    """
+    md = read_metadata(folder)
+    by_file: dict = {}
+    for e in md.tensors:
+        for c in e.chunks:
+            by_file.setdefault(c.file, []).append((e, c))
+    kinds = {}
+    located: dict = {}
+    for name, chunks in by_file.items():
+        path = os.fspath(Path(folder) / name)
+        at = min(c.offset for _, c in chunks)
+        kinds[name] = starts_safetensors(path, at)
+        if kinds[name]:
+            located.update(_locate(path, at, chunks))
+    if len(set(kinds.values())) > 1:
+        raise IncompleteCheckpointError(
+            "the .distcp files mix torch.save items and safetensors data "
+            f"({', '.join(sorted(n for n, k in kinds.items() if k))} hold safetensors): not a folder torch writes",
+            path=os.fspath(folder), hint="copy the folder again")
+    if not located:
+        return md
+    for e in md.tensors:
+        e.chunks = [located[(e.fqn, tuple(c.offsets))] for c in e.chunks]
+    md.storage = "safetensors"
+    return md
+
+
+def _locate(path: str, at: int, chunks: list) -> dict:
+    """``{(key, offsets): raw Chunk}`` of the chunks a ``.distcp`` file holds as the safetensors file at ``at``."""
+    blob = read_blob(path, at)
+    if not blob.sharded:
+        raise IncompleteCheckpointError(f"the safetensors data at byte {at} has no DCP_SHARDING_INFO", path=path,
+                                        hint="the file is damaged: copy the folder again")
+    pieces = {p.key: p for p in blob.pieces}
+    out = {}
+    for e, c in chunks:
+        p = pieces.get(e.fqn)
+        want = (e.dtype, tuple(c.sizes), tuple(c.offsets), c.length)
+        got = None if p is None else (p.dtype, p.shape, p.saved_offsets, p.nbytes)
+        if c.offset != at or got != want:
+            raise IncompleteCheckpointError(
+                f"{e.fqn}: the .metadata says a {e.dtype} chunk {list(c.sizes)} at {list(c.offsets)} of {c.length} "
+                f"bytes from byte {c.offset}; the safetensors data at byte {at} holds "
+                + ("no such key" if p is None else f"{p.dtype} {list(p.shape)} at {list(p.saved_offsets)}, "
+                                                    f"{p.nbytes} bytes"), path=path,
+                hint="the file is damaged or of another save: copy the folder again")
+        out[(e.fqn, tuple(c.offsets))] = replace(c, offset=p.offset, length=p.nbytes, raw=True)
+    return out
+
+
 # ============================================================================================ items
 class _ItemFile:
     """One item's archive inside a ``.distcp`` file, read with ``pread``."""
@@ -236,6 +301,12 @@ def chunk_ranges(folder: os.PathLike, entry: TensorEntry, chunk: Chunk) -> list[
         IncompleteCheckpointError: the archive is not there, damaged, or holds another tensor.
     """
     path = os.fspath(Path(folder) / chunk.file)
+    if chunk.raw:  # a safetensors file's data: its header was read and checked when the folder was opened
+        count = math.prod(chunk.sizes)
+        if count * itemsize(entry.dtype) != chunk.length:
+            raise IncompleteCheckpointError(f"{entry.fqn}: {chunk.length} bytes stored for {count} {entry.dtype} "
+                                            "elements", path=path)
+        return [StoredRange(path, chunk.offset, entry.dtype, count)] if count else []
     obj, f, *_ = _load_item(path, chunk.offset, chunk.length)
     try:
         if not isinstance(obj, TensorHandle):
@@ -284,4 +355,4 @@ def value_or_none(folder: os.PathLike, md: DcpMetadata, fqn: str) -> Optional[An
     return read_value(folder, e) if isinstance(e, BytesEntry) else None
 
 
-__all__ = ["METADATA", "is_dcp_folder", "read_metadata", "chunk_ranges", "read_value", "distcp_files", "value_or_none"]
+__all__ = ["METADATA", "is_dcp_folder", "read_metadata", "read_folder_metadata", "chunk_ranges", "read_value", "distcp_files", "value_or_none"]

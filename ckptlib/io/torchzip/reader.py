@@ -9,6 +9,9 @@ every tensor replaced by a :class:`~ckptlib.io.torchzip.handles.TensorHandle`. T
 later, on demand, with ``pread``. Every byte read goes through the file's :class:`ReadStats`, so
 callers can show how little was read.
 
+:func:`zip_entries_of` lists a zip file's members (offsets, sizes, CRC-32s) without unpickling anything: the
+files a run copies whole, whose CRC-32s it checks as it copies them (:mod:`ckptlib.io.crc`).
+
 A file in torch's legacy (non-zip) serialization is read by :mod:`.legacy` instead (the file kind decides:
 :func:`classify_file_start`): the same object tree and storages with file offsets, so that everything that
 reads a :class:`TorchFile` reads it unchanged.
@@ -236,46 +239,20 @@ class TorchFile:
                                             hint="the file is damaged or not a DeepSpeed/torch checkpoint") from e
 
     def _read_directory(self) -> dict[str, tuple]:
-        """The zip's central directory, ``{name: (header offset, stored size, size, CRC-32, method)}``: the end
-        records from the file's last bytes, then the directory in one read (see :mod:`.zipfmt`)."""
-        n = min(self.size, zipfmt.END_SEARCH)
-        found = zipfmt.find_directory(self._pread(n, self.size - n), self.size - n)
-        if found is None and n < self.size:  # a zip comment longer than END_SEARCH allows for
-            n = min(self.size, zipfmt.END_SEARCH_MAX)
-            found = zipfmt.find_directory(self._pread(n, self.size - n), self.size - n)
-        if found is None:
-            raise ZipFormatError("no end of central directory record: the file is truncated or not a zip archive")
-        self._directory_at = found.offset + found.shift
-        return zipfmt.parse_directory(self._pread(found.size, found.offset + found.shift), found)
+        """The zip's central directory, ``{name: (header offset, stored size, size, CRC-32, method)}``
+        (:func:`read_directory`)."""
+        members, self._directory_at = read_directory(self._pread, self.size)
+        return members
 
     def _data_offsets(self, members: dict[str, tuple], pkl: str) -> dict[str, int]:
-        """Where the data of the pickle and of every storage member starts, from their local headers, each proven
-        against the central directory (:func:`~.zipfmt.data_offsets`, :func:`~.zipfmt.prove_extents`: the name,
-        method, sizes, and the data ending where the next member begins), so that a damaged local header is
-        refused instead of moving a tensor's bytes. Headers at most :data:`_NEAR` bytes apart (the empty or tiny
-        storages of ZeRO-3 model files) are read together, one ``pread`` per run."""
-        wanted = sorted((v[0], name) for name, v in members.items())  # every member: its CRC can be checked
-        out: dict[str, int] = {}
-        flags: dict[str, int] = {}
-        bufs: list = []
+        """Where the data of every member starts, each proven against the central directory
+        (:func:`data_offsets`); a damaged local header is refused naming the file."""
         try:
-            for start, length, headers in zipfmt.header_runs(wanted, _NEAR):
-                buf = self._pread(length, start)
-                bufs.append((start, buf))
-                zipfmt.data_offsets(buf, start, headers, out, members, flags)
-
-            def read(offset: int, n: int) -> bytes:
-                for start, buf in bufs:
-                    if start <= offset and offset + n <= start + len(buf):
-                        return buf[offset - start:offset - start + n]
-                return self._pread(n, offset)
-
-            zipfmt.prove_extents(members, out, flags, self._directory_at, read)
+            return data_offsets(self._pread, members, self._directory_at)
         except ZipFormatError as e:
             raise IncompleteCheckpointError(str(e), path=self.path,
                                             hint="the file is damaged: copy it again from the original, or use another "
                                                  "tag") from None
-        return out
 
     def _check_byteorder(self) -> None:
         """torch records the byte order of the tensor bytes in ``<archive>/byteorder`` (``little`` on every
@@ -428,6 +405,75 @@ class TorchFile:
 
     def __repr__(self) -> str:
         return f"TorchFile({self.path!r}, {self.size} bytes)"
+
+
+def read_directory(pread, size: int) -> tuple[dict[str, tuple], int]:
+    """The central directory of the zip file of ``size`` bytes read by ``pread(n, offset)``, ``{name: (header
+    offset, stored size, size, CRC-32, method)}``, and where it starts: the end records from the file's last bytes,
+    then the directory in one read (see :mod:`.zipfmt`)."""
+    n = min(size, zipfmt.END_SEARCH)
+    found = zipfmt.find_directory(pread(n, size - n), size - n)
+    if found is None and n < size:  # a zip comment longer than END_SEARCH allows for
+        n = min(size, zipfmt.END_SEARCH_MAX)
+        found = zipfmt.find_directory(pread(n, size - n), size - n)
+    if found is None:
+        raise ZipFormatError("no end of central directory record: the file is truncated or not a zip archive")
+    at = found.offset + found.shift
+    return zipfmt.parse_directory(pread(found.size, at), found), at
+
+
+def data_offsets(pread, members: dict[str, tuple], directory_at: int) -> dict[str, int]:
+    """Where the data of every member starts, from their local headers, each proven against the central
+    directory (:func:`~.zipfmt.data_offsets`, :func:`~.zipfmt.prove_extents`: the name, method, sizes, and the
+    data ending where the next member begins), so that a damaged local header is refused (:class:`ZipFormatError`)
+    instead of moving a tensor's bytes. Headers at most :data:`_NEAR` bytes apart (the empty or tiny storages of
+    ZeRO-3 model files) are read together, one ``pread`` per run."""
+    wanted = sorted((v[0], name) for name, v in members.items())  # every member: its CRC can be checked
+    out: dict[str, int] = {}
+    flags: dict[str, int] = {}
+    bufs: list = []
+    for start, length, headers in zipfmt.header_runs(wanted, _NEAR):
+        buf = pread(length, start)
+        bufs.append((start, buf))
+        zipfmt.data_offsets(buf, start, headers, out, members, flags)
+
+    def read(offset: int, n: int) -> bytes:
+        for start, buf in bufs:
+            if start <= offset and offset + n <= start + len(buf):
+                return buf[offset - start:offset - start + n]
+        return pread(n, offset)
+
+    zipfmt.prove_extents(members, out, flags, directory_at, read)
+    return out
+
+
+def zip_entries_of(path: str | os.PathLike) -> tuple:
+    """Every member of the zip file ``path`` as a :class:`ZipEntry`, by offset (its directory and local headers
+    read and proven as when a torch file is opened; nothing unpickled); ``()`` for a file that is not a zip
+    archive (a legacy torch file, text, safetensors).
+
+    Raises:
+        IncompleteCheckpointError: a zip file whose directory or headers are damaged, naming it.
+
+    Memory: the directory."""
+    path = os.fspath(path)
+    with open(path, "rb") as fh:
+        fd = fh.fileno()
+        size = os.fstat(fd).st_size
+
+        def pread(n: int, offset: int) -> bytes:
+            return os.pread(fd, n, offset)
+
+        if classify_file_start(pread(len(_ZIP_MAGIC), 0)) != "zip":
+            return ()
+        try:
+            members, at = read_directory(pread, size)
+            offsets = data_offsets(pread, members, at)
+        except (ZipFormatError, OSError) as e:
+            raise IncompleteCheckpointError(f"the zip archive is damaged or truncated ({e})", path=path,
+                                            hint="copy the file again from the original") from None
+    return tuple(sorted((ZipEntry(path, name, offsets[name], v[2], v[3]) for name, v in members.items()
+                         if name in offsets), key=lambda e: e.offset))
 
 
 def open_torch_file(path: str | os.PathLike, stats: Optional[ReadStats] = None) -> TorchFile:

@@ -186,10 +186,10 @@ def save(obj: Any, path: str | os.PathLike, archive: Optional[str] = None,
     """Write ``obj`` as a torch zip file at ``path``; returns the bytes of tensor data written.
 
     Stored storages (of :class:`StoredTensor` s and tensor handles) are copied whole and once each,
-    keeping views and sharing: inside the kernel (``copy_file_range``) with the CRC-32 the source's zip
-    directory records for them (the bytes are the same, so is their checksum; a source damaged on disk
-    stays detectably damaged), or through the buffers where the stored member is longer than the
-    storage. Each :class:`NewTensor` gets a storage of its own, written with ``pwrite`` at an offset
+    keeping views and sharing, with the CRC-32 the source's zip directory records for them (the bytes are
+    the same, so is their checksum): inside the kernel (``copy_file_range``), or through the buffers where
+    ``files`` checks that CRC-32 as the bytes stream (:class:`~ckptlib.io.crc.CrcSourceFiles`) or the stored
+    member is longer than the storage (then computed). Each :class:`NewTensor` gets a storage of its own, written with ``pwrite`` at an offset
     fixed in advance while its CRC-32 is computed chunk by chunk in the read-ahead thread; the zip
     headers are written last. Written bytes go on to disk as the file grows and, with ``drop_written``, leave
     the page cache (:class:`~ckptlib.io.sinks.WriteBehind`; while an ``unsynced`` budget lasts they are left to
@@ -238,13 +238,18 @@ def write_archive(obj: Any, fd: int, base: int, archive: str, progress: Callable
             if isinstance(content, StorageAddress) and content.stored_crc is not None \
                     and content.stored_bytes == rec.size:
                 sink = PwriteSink(fd, at, behind=behind)
-                src_fd = files.fd(content.path)
-                for done in range(0, rec.size, COPY_BYTES):
-                    n = min(COPY_BYTES, rec.size - done)
-                    sink.copy_from(src_fd, content.data_offset + done, n)
-                    files.count(n)
-                    progress(n)
-                files.drop_cache(content.path, content.data_offset, rec.size)
+                if getattr(files, "tracks", lambda path: False)(content.path):  # its CRC-32 checked as it streams
+                    bufs = bufs if bufs is not None else ChunkBuffers(COPY_BYTES)
+                    copy_ranges([StoredRange(content.path, content.data_offset, "uint8", rec.size)], "uint8", sink,
+                                bufs, files, progress, cancel)
+                else:
+                    src_fd = files.fd(content.path)
+                    for done in range(0, rec.size, COPY_BYTES):
+                        n = min(COPY_BYTES, rec.size - done)
+                        sink.copy_from(src_fd, content.data_offset + done, n)
+                        files.count(n)
+                        progress(n)
+                    files.drop_cache(content.path, content.data_offset, rec.size)
                 rec.crc = content.stored_crc
             else:
                 sink = PwriteSink(fd, at, crc=True, behind=behind)
@@ -255,6 +260,9 @@ def write_archive(obj: Any, fd: int, base: int, archive: str, progress: Callable
                 if isinstance(content, NewTensor) and content.data is not None:
                     sink.write(memoryview(content.data))
                     progress(len(content.data))
+                elif hasattr(content, "write_into"):  # computed as written (ckptlib.io.averaging.AveragedNewTensor)
+                    content.write_into(sink, bufs if bufs is not None else ChunkBuffers(COPY_BYTES), files, progress,
+                                       cancel)
                 else:
                     bufs = bufs if bufs is not None else ChunkBuffers(COPY_BYTES)
                     copy_ranges(ranges, content.dtype, sink, bufs, files, progress, cancel)

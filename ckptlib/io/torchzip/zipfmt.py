@@ -50,7 +50,7 @@ def _x_pow_2n(n: int) -> int:
     return 1 << 30 if n == 0 else _multmodp(_x_pow_2n(n - 1), _x_pow_2n(n - 1))
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=2**16)  # a run joins spans of a few lengths again and again (a member's pieces, ranks' slices)
 def _x_pow_8bits(nbytes: int) -> int:
     """x^(8 * nbytes) modulo the polynomial: what appending ``nbytes`` zero bytes multiplies a CRC by."""
     p, k = 1 << 31, 3
