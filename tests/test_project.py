@@ -2,6 +2,7 @@
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -100,12 +101,18 @@ def test_every_relative_link_of_the_docs_resolves():
 
 
 def test_the_readme_commands_run(tmp_path):
-    """The five commands of the README, as written there, on the bundled sample (exit 0: healthy, and the
-    export diffs as the same)."""
-    (heading, lines), = [b for b in _code_blocks(README.read_text()) if b[0] == "The five commands"]
+    """The six commands of the README, as written there, on the bundled sample (exit 0: healthy, and the
+    export diffs as the same). The sample has one tag: average takes three copies of it, whose average is
+    the export itself, bit for bit."""
+    (heading, lines), = [b for b in _code_blocks(README.read_text()) if b[0] == "The six commands"]
     commands = [line.split("#", 1)[0].split() for line in lines if line.startswith("ckpt ")]
-    assert [c[1] for c in commands] == ["inspect", "export", "reshard", "check", "diff"]
-    names = {"CKPT": str(SAMPLE), "EXPORT": str(tmp_path / "export"), "RESHARDED": str(tmp_path / "resharded")}
+    assert [c[1] for c in commands] == ["inspect", "export", "reshard", "check", "diff", "average"]
+    names = {"CKPT": str(SAMPLE), "EXPORT": str(tmp_path / "export"), "RESHARDED": str(tmp_path / "resharded"),
+             "AVERAGED": str(tmp_path / "averaged")}
+    for i in (1, 2, 3):
+        shutil.copytree(SAMPLE, tmp_path / f"run{i}" / "ckpt")
+        names[f"TAG{i}"] = str(tmp_path / f"run{i}" / "ckpt")
+    commands.append(["ckpt", "diff", "AVERAGED", "EXPORT"])
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     for cmd in commands:
         args = [names.get(a, a) for a in cmd[1:]]
@@ -114,3 +121,4 @@ def test_the_readme_commands_run(tmp_path):
         assert r.returncode == 0, f"{' '.join(cmd)}: exit {r.returncode}\n{r.stdout[-2000:]}{r.stderr[-2000:]}"
         assert r.stdout.strip() and "Traceback" not in r.stderr
     assert (tmp_path / "export" / "model.safetensors").is_file() and (tmp_path / "resharded" / "latest").is_file()
+    assert (tmp_path / "averaged" / "model.safetensors").is_file()

@@ -1,4 +1,4 @@
-"""`pip install ckptlib` brings no torch, and the five commands work there.
+"""`pip install ckptlib` brings no torch, and the six commands work there.
 
 The test builds ckptlib's wheel from this source tree, makes a fresh venv and installs the wheel into it
 with its dependencies (numpy, safetensors, tqdm: from the package index or pip's cache), under a
