@@ -45,7 +45,9 @@ fi
 # the peft fixtures' transformers 4.x runs (scripts/setup.sh makes .venv-tf4)
 [ -x .venv-tf4/bin/python ] && export CKPTLIB_PEFT_TF4_PYTHON="$PWD/.venv-tf4/bin/python"
 status=0
-.venv/bin/python -m pytest "$@" || status=$?
+# two workers (pytest-xdist), a test file each at a time: the fixture factories build under a lock
+# (tests/fixtures/cache.py), each module's DeepSpeed launches stay in one worker; -n 0 runs in one process
+.venv/bin/python -m pytest -n "${CKPTLIB_TEST_WORKERS:-2}" --dist loadfile "$@" || status=$?
 if [ -n "$builder" ] && kill -0 "$builder" 2>/dev/null; then
   kill "$builder" 2>/dev/null || true  # the tests did not need it (a selection); a later run builds again
 fi

@@ -144,6 +144,8 @@ def pytest_sessionfinish(session, exitstatus):
 
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config):
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: it still has to report to the controller
+        return
     if _EXIT_STATUS is not None and os.environ.get("CKPTLIB_HARD_EXIT", "1") == "1":
         import sys
 
