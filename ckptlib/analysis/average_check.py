@@ -22,7 +22,7 @@ from ..deepspeed.zeroset import MODULE
 from ..errors import CkptError
 from ..io.averaging import first_averaged_difference
 from ..plan import AveragedTensor
-from .tensorsets import file_tensors
+from .tensorsets import output_file_tallies
 
 
 def average_tallies(plan, src: Checkpoint, out: Path, cmp, share) -> list[tuple[str, int, list]]:
@@ -56,30 +56,9 @@ class Recompute:
 
 
 def _hf_tallies(plan, src: Checkpoint, out: Path, cmp, share, recompute: Recompute) -> list:
-    import json
-
-    files = list(plan.files) + list(plan.finals)
-    missing = [f.name for f in files if not (out / f.name).is_file()]
-    tallies = [("every planned file is there", len(files), missing)]
-    if missing:
+    tallies, found = output_file_tallies(plan, plan.weight_files, out)
+    if tallies[0][2]:  # a planned file is missing
         return tallies
-    found, bad_files = {}, []
-    for f in plan.weight_files:
-        try:
-            have = {t.key: t for t in file_tensors(out / f.name)}
-        except (CkptError, ValueError) as e:
-            bad_files.append(f"{f.name}: {e}")
-            continue
-        if {k: (t.dtype, tuple(t.shape)) for k, t in have.items()} != \
-                {t.name: (t.dtype, tuple(t.shape)) for t in f.tensors}:
-            bad_files.append(f.name)
-        found.update(have)
-    tallies.append(("each file holds exactly the planned tensors (names, dtypes, shapes)", len(plan.weight_files),
-                    bad_files))
-    for index, names in plan.index_files.items():
-        weight_map = json.loads((out / index).read_text()).get("weight_map", {})
-        want = {t.name: Path(f.name).name for f in plan.weight_files if f.name in names for t in f.tensors}
-        tallies.append((f"{index} maps every tensor to its shard", 1, [] if weight_map == want else [index]))
     averaged = [t for t in plan.tensors if isinstance(t, AveragedTensor)]
     kept = [t for t in plan.tensors if not isinstance(t, AveragedTensor)]
     bad = []

@@ -14,35 +14,19 @@ import dataclasses
 from pathlib import Path
 
 from ..dtypes import import_torch
-from ..errors import CkptError
 from ..io.lora_merge import WHY_TORCH, base_files, base_headers, merged_value, stored_ranges
 from ..io.streaming import read_ranges
 from ..plan import Factor, MergedTensor
-from .tensorsets import file_tensors
+from .tensorsets import output_file_tallies
 
 
 def merge_tallies(plan, src, out: Path, cmp, share) -> list[tuple[str, int, list]]:
     """``[(what was checked, how many, the names of those that failed)]`` of a merge's output at ``out``; ``src``
     the checkpoint opened anew, ``cmp`` a :class:`~ckptlib.analysis.compare.Comparer`, ``share`` which comparisons
     are this process's (:class:`ckptlib.analysis.verify.Share`)."""
-    files = list(plan.files) + list(plan.finals)
-    missing = [f.name for f in files if not (out / f.name).is_file()]
-    tallies = [("every planned file is there", len(files), missing)]
-    if missing:
+    tallies, found = output_file_tallies(plan, plan.weights, out)
+    if tallies[0][2]:  # a planned file is missing
         return tallies
-    found, bad_files = {}, []
-    for f in plan.weights:
-        try:
-            have = {t.key: t for t in file_tensors(out / f.name)}
-        except CkptError as e:
-            bad_files.append(f"{f.name}: {e}")
-            continue
-        if {k: (t.dtype, tuple(t.shape)) for k, t in have.items()} != \
-                {t.name: (t.dtype, tuple(t.shape)) for t in f.tensors}:
-            bad_files.append(f.name)
-        found.update(have)
-    tallies.append(("each file holds exactly the planned tensors (names, dtypes, shapes)", len(plan.weights),
-                    bad_files))
     base = {t.name: stored_ranges(f, t) for f, ts in base_headers(base_files(Path(plan.base))[0]).items() for t in ts}
     kept = [t for t in plan.tensors if not isinstance(t, MergedTensor) and t.kind == "base"]
     saved = [t for t in plan.tensors if not isinstance(t, MergedTensor) and t.kind == "modules_to_save"]

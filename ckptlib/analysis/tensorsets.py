@@ -325,6 +325,37 @@ def open_tensor_set(source: Union[str, os.PathLike, Checkpoint, TensorSet], tag:
     return ts
 
 
+def output_file_tallies(plan, weight_files: list, out: Path) -> tuple[list[tuple[str, int, list]], dict]:
+    """``(tallies, found)`` for the files a plan wrote at ``out``: every planned file (``plan.files`` and
+    ``plan.finals``) there; each of ``weight_files`` holding exactly its planned tensors (names, dtypes, shapes);
+    each of ``plan.index_files`` mapping every tensor to its shard. ``found``: ``{name: NamedTensor}`` of the
+    weight files (headers only, no tensor data); empty where a planned file is missing (then the first tally
+    alone)."""
+    files = list(plan.files) + list(plan.finals)
+    missing = [f.name for f in files if not (out / f.name).is_file()]
+    tallies = [("every planned file is there", len(files), missing)]
+    if missing:
+        return tallies, {}
+    found, bad_files = {}, []
+    for f in weight_files:
+        try:
+            have = {t.key: t for t in file_tensors(out / f.name)}
+        except (CkptError, ValueError) as e:
+            bad_files.append(f"{f.name}: {e}")
+            continue
+        if {k: (t.dtype, tuple(t.shape)) for k, t in have.items()} != \
+                {t.name: (t.dtype, tuple(t.shape)) for t in f.tensors}:
+            bad_files.append(f.name)
+        found.update(have)
+    tallies.append(("each file holds exactly the planned tensors (names, dtypes, shapes)", len(weight_files),
+                    bad_files))
+    for index, names in plan.index_files.items():
+        weight_map = json.loads((out / index).read_text()).get("weight_map", {})
+        want = {t.name: Path(f.name).name for f in weight_files if f.name in names for t in f.tensors}
+        tallies.append((f"{index} maps every tensor to its shard", 1, [] if weight_map == want else [index]))
+    return tallies, found
+
+
 __all__ = ["NamedTensor", "TensorSet", "open_tensor_set", "checkpoint_tensors", "checkpoint_steps", "export_tensors",
-           "dcp_tensors", "weight_files", "file_tensors", "CHECKPOINT",
+           "dcp_tensors", "weight_files", "file_tensors", "output_file_tallies", "CHECKPOINT",
            "EXPORT", "UNIVERSAL", "DCP"]
