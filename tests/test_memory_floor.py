@@ -138,3 +138,32 @@ print(room, judged())
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == "[False, False, False, False] [True, True, False, False]".split(), r.stdout
+
+
+
+@pytest.mark.parametrize("error,code", [(ImportError("libffi.so.8: failed to map segment from shared object"), 2),
+                                        (OSError(12, "Cannot allocate memory"), 2), (MemoryError(), 2),
+                                        (ImportError("No module named 'nowhere'"), 3), (OSError(5, "I/O error"), 3)])
+def test_a_failed_allocation_outside_a_run_is_the_memory_message(monkeypatch, capsys, tmp_path, error, code):
+    """Seen in CI under ``ulimit -d`` 11 MiB: a command's late ``import ctypes`` could not map libffi, and the CLI
+    called that a bug (exit 3). Any failed allocation a command meets outside a run is the one memory message,
+    exit code 2; an ImportError or OSError that is not one stays an internal error (exit 3)."""
+    import importlib
+
+    cli = importlib.import_module("ckptlib.cli.main")
+    crash = importlib.import_module("ckptlib.cli.crash")
+
+    def fails(args):
+        raise error
+
+    parser = cli.build_parser()
+    for action in parser._subparsers._group_actions[0].choices.values():  # noqa: SLF001 - argparse's own tree
+        action.set_defaults(func=fails)
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    monkeypatch.setenv(crash.REPORT_DIR_ENV, str(tmp_path))
+    assert cli.main(["inspect", str(SAMPLE)]) == code
+    err = capsys.readouterr().err.strip().splitlines()
+    if code == 2:
+        assert len(err) == 2 and err[0].startswith("ckpt inspect: error: ran out of memory (") and "hint" in err[1]
+    else:
+        assert len(err) == 1 and f"internal error ({type(error).__name__}: " in err[0], err

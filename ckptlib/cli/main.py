@@ -437,7 +437,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
-    except (MemoryError, RuntimeError, SyntaxError) as e:  # an allocation failed outside a run (which says more)
+    except (MemoryError, RuntimeError, SyntaxError, ImportError, OSError) as e:  # an allocation failed outside a run
+        # (a run says more); a shared library that a late import could not map is one too
         from ..system.allocation import is_allocation_failure
         from ..system.memory import system_memory
 
