@@ -193,6 +193,9 @@ CASES = [
      ["--world-size", 4]),
     ("AutoEP expert file", "autoep", "mixtral_z2_w2_ep2", "layer_1_expert_2_mp_rank_00_model_states.pt", None,
      ["--world-size", 2, "--ep", 1]),
+    # the rows of a tensor-parallel slice, read back to back into every other row (their CRC-32 gathered)
+    ("tensor-parallel join", "parallel", "tp2_dp2_z1_bf16", "*zero_pp_rank_1_mp_rank_01_optim_states.pt", [],
+     ["--tp", 1]),
 ]
 
 
@@ -207,7 +210,7 @@ def _plan(ckpt: Path, out: Path, command: str, args: list):
         return ckptlib.plan_export(ckpt, out, hf_files=False)
     if args == ["--universal"]:
         return ckptlib.plan_universal(ckpt, out, hf_files=False)
-    kw = {{"--world-size": "world_size", "--pp": "pp", "--ep": "ep"}[k]: v for k, v in zip(args[::2], args[1::2])}
+    kw = {{"--world-size": "world_size", "--pp": "pp", "--ep": "ep", "--tp": "tp"}[k]: v for k, v in zip(args[::2], args[1::2])}
     return ckptlib.plan_reshard(ckpt, out, hf_files=False, **kw)
 
 
@@ -479,3 +482,12 @@ def test_the_fast_crc32_is_zlibs_function():
     cut = 777_777
     assert fast.crc32(data[cut:], fast.crc32(data[:cut])) == zlib.crc32(data)
     assert fast.backend() in ("libdeflate", "zlib")
+    # many views, short and long, of bytes and of floats, gathered through a stage or taken alone
+    whole = memoryview(bytearray(data))
+    cuts = sorted({0, len(data), *range(0, 40_000, 997), *range(40_000, len(data), 70_001), 300_000, 300_003})
+    parts = [whole[a:b] for a, b in zip(cuts, cuts[1:])]
+    parts[5] = parts[5][:len(parts[5]) // 4 * 4].cast("f")
+    joined = b"".join(bytes(p) for p in parts)
+    for stage in (None, memoryview(bytearray(4096)), memoryview(bytearray(1 << 18))):
+        for start in (0, 0xDEADBEEF):
+            assert fast.crc32_of_views(parts, start, stage) == zlib.crc32(joined, start), stage

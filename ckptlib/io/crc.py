@@ -39,11 +39,13 @@ from .torchzip.reader import ZipEntry, zip_entries_of
 from .torchzip.specs import NewTensor
 from .torchzip.trees import walk_tensors
 from .torchzip.zipfmt import crc32_combine
-from .crc32 import crc32
+from .crc32 import crc32, crc32_of_views
 
 #: the piece in which bytes are read again for their CRC-32 alone (beside a kernel copy, or those no read of the
 #: run covered): small enough to stay in the CPU's cache between the read and the CRC
 CRC_PIECE_BYTES = 256 * 2**10
+#: the buffer in which a thread gathers the short views of a scatter read for one CRC-32 call
+CRC_STAGE_BYTES = 64 * 2**10
 
 
 # ================================================================================================ planning
@@ -194,7 +196,8 @@ class CrcLedger:
     writing processes (:attr:`spans`, :meth:`add`); :meth:`verify` then checks each member.
 
     Memory: one small list per stretch of a member a thread reads in order (a gap, another member or another
-    thread's read between starts the next)."""
+    thread's read between starts the next); per reading thread, :data:`CRC_STAGE_BYTES` in which the short views
+    of a scatter read are gathered for their CRC-32 (:func:`~ckptlib.io.crc32.crc32_of_views`)."""
 
     def __init__(self, members: Sequence[ZipEntry]):
         self._files: dict[str, tuple[list, list]] = {}
@@ -208,6 +211,13 @@ class CrcLedger:
     def tracks(self, path: str) -> bool:
         """Whether bytes of ``path`` are checked."""
         return path in self._files
+
+    def _stage(self) -> memoryview:
+        """This thread's buffer (:data:`CRC_STAGE_BYTES`) in which short views are gathered for their CRC-32."""
+        stage = getattr(self._open, "stage", None)
+        if stage is None:
+            stage = self._open.stage = memoryview(bytearray(CRC_STAGE_BYTES))
+        return stage
 
     def parts(self, path: str, offset: int, nbytes: int) -> Iterator[tuple[int, int, int]]:
         """``(member index, start, end)`` of each checked member's bytes in ``nbytes`` of ``path`` from ``offset``
@@ -240,9 +250,8 @@ class CrcLedger:
             inside = (lo, hi) == (offset, offset + n)
             last = None if alone else opened.get((path, i))
             span = last if last is not None and last[2] + last[3] == lo else None
-            crc = span[4] if span is not None else 0
-            for v in (views if inside else _cut(views, lo - offset, hi - offset)):
-                crc = crc32(v, crc)
+            crc = crc32_of_views(views if inside else _cut(views, lo - offset, hi - offset),
+                                 span[4] if span is not None else 0, self._stage())
             if span is not None:
                 span[3] += hi - lo
                 span[4] = crc
@@ -357,8 +366,17 @@ class CrcSourceFiles(SourceFiles):
         self.ledger.record(path, offset, [target])
 
     def read_scattered(self, path: str, offset: int, targets: list, alone: bool = False) -> Optional[int]:
-        super().read_scattered(path, offset, targets)
-        return self.ledger.record(path, offset, targets, alone)
+        """:meth:`~ckptlib.io.sources.SourceFiles.read_scattered`, the CRC-32 noted; a long read of a checked file
+        goes :data:`HOT_BYTES` at a time, each piece noted as soon as it is read (with ``alone``, whole: its CRC-32
+        is returned, see :meth:`CrcLedger.record`)."""
+        if alone or not self.ledger.tracks(path) or sum(v.nbytes for v in targets) <= HOT_BYTES:
+            super().read_scattered(path, offset, targets)
+            return self.ledger.record(path, offset, targets, alone)
+        for piece in _pieces(targets, HOT_BYTES):  # each piece's CRC-32 taken while its bytes are in the cache
+            super().read_scattered(path, offset, piece)
+            self.ledger.record(path, offset, piece)
+            offset += sum(v.nbytes for v in piece)
+        return None
 
     def read_gather(self, gather: Sequence, out: memoryview, drop: bool = False) -> list[tuple[str, int, int]]:
         return [s[:3] for s in self.read_gather_crc(gather, out, drop)]
@@ -390,6 +408,27 @@ class CrcSourceFiles(SourceFiles):
                 if drop:
                     self.drop_cache(path, start, end - start)
         return spans
+
+
+#: a long read whose CRC-32 is taken is read in pieces of this size, each taken as soon as it is read (it is still in
+#: the core's cache then; a 16 MiB chunk read whole is not, and its CRC-32 reads memory again beside a busy writer)
+HOT_BYTES = 2**20
+
+
+def _pieces(views: Sequence[memoryview], size: int) -> Iterator[list]:
+    """``views`` cut into lists of views of about ``size`` bytes each, in order (a long view cut where needed)."""
+    piece, fill = [], 0
+    for v in views:
+        v = v if v.format == "B" else v.cast("B")
+        while v.nbytes:
+            n = min(v.nbytes, size - fill)
+            piece.append(v[:n])
+            v, fill = v[n:], fill + n
+            if fill == size:
+                yield piece
+                piece, fill = [], 0
+    if piece:
+        yield piece
 
 
 def joined_crc(spans: Sequence[tuple], out: memoryview) -> int:

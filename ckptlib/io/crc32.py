@@ -52,6 +52,35 @@ def crc32(data, value: int = 0) -> int:
     return _fast(value, np.frombuffer(data, np.uint8).ctypes.data, n)
 
 
+#: a view at least this long is taken on its own; shorter ones are gathered (:func:`crc32_of_views`)
+_GATHER_BELOW = 1 << 16
+
+
+def crc32_of_views(views, value: int = 0, stage: Optional[memoryview] = None) -> int:
+    """The CRC-32 of the concatenation of ``views`` (contiguous memoryviews) continued from ``value``. Short views
+    (the rows of a tensor-parallel slice read into every other row of a joined tensor: tens of thousands of a few
+    KiB) are copied back to back into ``stage`` (a writable byte view that stays in the CPU's cache) and taken in
+    one call: one call per view costs a switch of Python's lock each, about 1 GB/s with a busy writing thread
+    beside, against 8 GB/s gathered. Memory: ``stage``, none without it (each view taken alone)."""
+    if stage is None:
+        for v in views:
+            value = crc32(v, value)
+        return value
+    fill, room = 0, stage.nbytes
+    for v in views:
+        n = v.nbytes
+        if n >= _GATHER_BELOW or n > room:
+            if fill:
+                value, fill = crc32(stage[:fill], value), 0
+            value = crc32(v, value)
+            continue
+        if fill + n > room:
+            value, fill = crc32(stage[:fill], value), 0
+        stage[fill:fill + n] = v if v.format == "B" else v.cast("B")
+        fill += n
+    return crc32(stage[:fill], value) if fill else value
+
+
 def backend() -> str:
     """``"libdeflate"`` or ``"zlib"``: which computes :func:`crc32` here."""
     global _fast
@@ -60,4 +89,4 @@ def backend() -> str:
     return "zlib" if _fast is False else "libdeflate"
 
 
-__all__ = ["crc32", "backend"]
+__all__ = ["crc32", "crc32_of_views", "backend"]
