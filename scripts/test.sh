@@ -47,7 +47,8 @@ fi
 status=0
 # two workers (pytest-xdist), a test file each at a time: the fixture factories build under a lock
 # (tests/fixtures/cache.py), each module's DeepSpeed launches stay in one worker; -n 0 runs in one process
-.venv/bin/python -m pytest -n "${CKPTLIB_TEST_WORKERS:-2}" --dist loadfile "$@" || status=$?
+# the 30 slowest steps in the log: where the suite's time goes (it must stay under 35 minutes on 2 cores)
+.venv/bin/python -m pytest -n "${CKPTLIB_TEST_WORKERS:-2}" --dist loadfile --durations 30 "$@" || status=$?
 if [ -n "$builder" ] && kill -0 "$builder" 2>/dev/null; then
   kill "$builder" 2>/dev/null || true  # the tests did not need it (a selection); a later run builds again
 fi
