@@ -372,10 +372,10 @@ class CrcSourceFiles(SourceFiles):
         if alone or not self.ledger.tracks(path) or sum(v.nbytes for v in targets) <= HOT_BYTES:
             super().read_scattered(path, offset, targets)
             return self.ledger.record(path, offset, targets, alone)
-        for piece in _pieces(targets, HOT_BYTES):  # each piece's CRC-32 taken while its bytes are in the cache
+        for piece, nbytes in _pieces(targets, HOT_BYTES):  # each piece's CRC-32 taken while it is in the cache
             super().read_scattered(path, offset, piece)
             self.ledger.record(path, offset, piece)
-            offset += sum(v.nbytes for v in piece)
+            offset += nbytes
         return None
 
     def read_gather(self, gather: Sequence, out: memoryview, drop: bool = False) -> list[tuple[str, int, int]]:
@@ -415,8 +415,9 @@ class CrcSourceFiles(SourceFiles):
 HOT_BYTES = 2**20
 
 
-def _pieces(views: Sequence[memoryview], size: int) -> Iterator[list]:
-    """``views`` cut into lists of views of about ``size`` bytes each, in order (a long view cut where needed)."""
+def _pieces(views: Sequence[memoryview], size: int) -> Iterator[tuple[list, int]]:
+    """``views`` cut into lists of views of ``size`` bytes each (the last shorter), in order, a long view cut where
+    needed; each with its byte count."""
     piece, fill = [], 0
     for v in views:
         v = v if v.format == "B" else v.cast("B")
@@ -425,10 +426,10 @@ def _pieces(views: Sequence[memoryview], size: int) -> Iterator[list]:
             piece.append(v[:n])
             v, fill = v[n:], fill + n
             if fill == size:
-                yield piece
+                yield piece, fill
                 piece, fill = [], 0
     if piece:
-        yield piece
+        yield piece, fill
 
 
 def joined_crc(spans: Sequence[tuple], out: memoryview) -> int:
