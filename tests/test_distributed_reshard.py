@@ -276,3 +276,52 @@ def test_each_rank_verifies_a_share_of_the_output(one_node, case):
     shares = {r: one_node["records"][r][case]["verified"] for r in (0, 1)}
     assert [s[:2] for s in shares[0]] == [[0, 2]] and [s[:2] for s in shares[1]] == [[1, 2]], shares
     assert shares[0][0][2] > 0 and shares[1][0][2] > 0, shares
+
+
+SIGTERM_IN_CLEANUP = r'''
+import os, signal, sys
+import torch.distributed as dist
+from ckptlib import cli
+from ckptlib.io import output as atomic
+from ckptlib.execute import distributed
+
+where = sys.argv[3]
+real_gather = dist.all_gather_object
+
+def lost_peer(out, obj, *a, **k):  # what gloo raises on a survivor when another rank died
+    if isinstance(obj, tuple) or obj is None:
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:10134.")
+    return real_gather(out, obj, *a, **k)
+
+dist.all_gather_object = lost_peer
+if where == "removing":  # torchrun's SIGTERM while rank 0 removes the temporary folder
+    real_exit = atomic.AtomicOutputDir.__exit__
+    def exit_with_sigterm(self, *exc):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real_exit(self, *exc)
+    atomic.AtomicOutputDir.__exit__ = exit_with_sigterm
+else:  # ... or as the failure is described
+    real_describe = distributed._describe
+    def describe_with_sigterm(e):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real_describe(e)
+    distributed._describe = describe_with_sigterm
+sys.exit(cli.main(["reshard", sys.argv[1], sys.argv[2], "--world-size", "3", "--distributed"]))
+'''
+
+
+@pytest.mark.parametrize("where", ["removing", "describing"])
+def test_sigterm_during_the_cleanup_after_a_lost_peer_does_not_cut_it_short(fixture_by_name, tmp_path, where):
+    """CI saw it once: rank 1 died, gloo told rank 0 (its collective raised), and torchrun's SIGTERM arrived while
+    rank 0 was cleaning up: a traceback, maybe a temporary folder left. Here it arrives there every time."""
+    env = launch_env()
+    env.update(RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    src = fixture_by_name("z2_bf16_w4")["checkpoint_path"]
+    r = subprocess.run([sys.executable, "-c", SIGTERM_IN_CLEANUP, str(src), str(tmp_path / "out"), where], env=env,
+                       capture_output=True, text=True, timeout=TIMEOUT)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("ckpt reshard: error: ") and lines[1].startswith("  hint: "), lines
+    assert ("distributed reshard stopped on rank 0, the output folder was not created: lost contact with another "
+            "rank ([gloo/transport/tcp/pair.cc:553] Connection closed by peer") in lines[0], lines
+    assert _leftovers(tmp_path, "out") == []

@@ -176,22 +176,34 @@ def shared_plan(make: Callable[[], Plan]) -> Plan:
     return box[0][1]
 
 
-@contextlib.contextmanager
-def _sigterm_raises() -> Iterator[None]:
-    """While the block runs, SIGTERM raises :class:`Terminated` in the main thread (so that cleanup
-    runs); the previous handler is restored afterwards. Does nothing outside the main thread."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+class _SigtermRaises:
+    """While active (a context manager), SIGTERM raises :class:`Terminated` in the main thread (so that
+    cleanup runs), until :meth:`quiet` is called: a rank already cleaning up after a failure must not be
+    interrupted half-way by the SIGTERM torchrun sends when another rank died. The previous handler is
+    restored on exit. Does nothing outside the main thread."""
 
-    def handler(signum, frame):
-        raise Terminated()
+    def __init__(self):
+        self.quieted = False
+        self._previous = None
+        self._main = threading.current_thread() is threading.main_thread()
 
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    def quiet(self) -> None:
+        """From now on a SIGTERM is ignored (the run is already failing)."""
+        self.quieted = True
+
+    def _handler(self, signum, frame):
+        if not self.quieted:
+            self.quieted = True  # once: the cleanup this starts is not interrupted again
+            raise Terminated()
+
+    def __enter__(self) -> "_SigtermRaises":
+        if self._main:
+            self._previous = signal.signal(signal.SIGTERM, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._main:
+            signal.signal(signal.SIGTERM, self._previous)
 
 
 def _sync_files(plan: Plan, work: list[Unit], tmp: Path) -> None:
@@ -233,57 +245,74 @@ def run_distributed(plan: Plan, observer: Optional[Observer] = None, cancel: Any
     """
     dist = _torch_distributed()
 
-    with process_group(), _sigterm_raises():
+    with process_group(), _SigtermRaises() as sigterm:
         rank, world = dist.get_rank(), dist.get_world_size()
         observer = observer if (observer is not None and rank == 0) else Observer()
         t0 = time.perf_counter()
         atomic: Optional[AtomicOutputDir] = None
-        try:
-            with watch_memory() as watch:
-                observer.on_start(plan)
-                tmp, atomic = _prepare_on_rank0(plan, rank)
-                mine = assign(units(plan, split=True), world)[rank]
-                error, read = None, 0
-                peer = PeerStop(tmp)
-                try:
-                    if needs_cast_kernels(plan):  # as in a single run: numpy loaded (or refused) before writing
-                        load_cast_kernels()
-                    threads = plan.workers if plan.parallel == THREADS else 1
-                    progress = _scaled_progress(observer, sum(u.nbytes for u in mine), plan.write_bytes)
-                    read = write_in_threads(plan, mine, tmp, observer, AnyOf(cancel, peer), threads, progress,
-                                            int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-                    if rank != 0 and plan.sync:
-                        _sync_files(plan, mine, tmp)
-                except BaseException as e:  # reported to every rank below
-                    if isinstance(e, Cancelled) and peer.is_set() and not (cancel is not None and cancel.is_set()):
-                        error = ("stopped", f"rank {rank}: stopped because another rank failed")
-                    else:
-                        peer.set()
-                        error = ("failed", f"rank {rank}: {_describe(e)}")
-                errors: list = [None] * world
-                dist.all_gather_object(errors, error)  # the barrier: every rank has finished its share
-                failed = [m for kind, m in filter(None, errors) if kind == "failed"] or \
-                    [m for _, m in filter(None, errors)]
-                final: list = [None]
-                if rank == 0:
-                    final = [_finish_on_rank0(plan, atomic, tmp, failed)]
-                    atomic = None
-                dist.broadcast_object_list(final, src=0)
-                if final[0] is not None:
-                    why, hint = _joined([final[0]])
-                    raise DistributedFailure(f"distributed {plan.action} failed, nothing was created: {why}",
-                                             path=plan.out, hint=hint)
-                reads = [0] * world
-                dist.all_gather_object(reads, read)
-                observer.on_bytes(plan.write_bytes, plan.write_bytes)
-        except BaseException as e:
+
+        def stop(e: BaseException) -> BaseException:
+            """The run failed with ``e`` on this rank: remove the output (rank 0) and say so; what to raise."""
+            nonlocal atomic
+            sigterm.quiet()
             if atomic is not None:  # rank 0, before the folder was committed or removed: remove it
-                atomic.__exit__(type(e), e, None)
+                atomic, a = None, atomic
+                a.__exit__(type(e), e, None)
             observer.on_error(e)
             if isinstance(e, (Terminated, RuntimeError)) and not isinstance(e, CkptError):
-                raise DistributedFailure(f"distributed {plan.action} stopped on rank {rank}, the output folder was not "
-                                         f"created: {_describe(e)}", path=plan.out, everywhere=False) from None
-            raise
+                why, hint = _joined([_describe(e)])
+                return DistributedFailure(f"distributed {plan.action} stopped on rank {rank}, the output folder was "
+                                          f"not created: {why}", path=plan.out, hint=hint, everywhere=False)
+            return e
+
+        try:
+            try:
+                with watch_memory() as watch:
+                    observer.on_start(plan)
+                    tmp, atomic = _prepare_on_rank0(plan, rank)
+                    mine = assign(units(plan, split=True), world)[rank]
+                    error, read = None, 0
+                    peer = PeerStop(tmp)
+                    try:
+                        if needs_cast_kernels(plan):  # as in a single run: numpy loaded (or refused) before writing
+                            load_cast_kernels()
+                        threads = plan.workers if plan.parallel == THREADS else 1
+                        progress = _scaled_progress(observer, sum(u.nbytes for u in mine), plan.write_bytes)
+                        read = write_in_threads(plan, mine, tmp, observer, AnyOf(cancel, peer), threads, progress,
+                                                int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+                        if rank != 0 and plan.sync:
+                            _sync_files(plan, mine, tmp)
+                    except BaseException as e:  # reported to every rank below
+                        if isinstance(e, Cancelled) and peer.is_set() and not (cancel is not None and cancel.is_set()):
+                            error = ("stopped", f"rank {rank}: stopped because another rank failed")
+                        else:
+                            peer.set()
+                            error = ("failed", f"rank {rank}: {_describe(e)}")
+                    errors: list = [None] * world
+                    dist.all_gather_object(errors, error)  # the barrier: every rank has finished its share
+                    failed = [m for kind, m in filter(None, errors) if kind == "failed"] or \
+                        [m for _, m in filter(None, errors)]
+                    final: list = [None]
+                    if rank == 0:
+                        final = [_finish_on_rank0(plan, atomic, tmp, failed)]
+                        atomic = None
+                    dist.broadcast_object_list(final, src=0)
+                    if final[0] is not None:
+                        why, hint = _joined([final[0]])
+                        raise DistributedFailure(f"distributed {plan.action} failed, nothing was created: {why}",
+                                                 path=plan.out, hint=hint)
+                    reads = [0] * world
+                    dist.all_gather_object(reads, read)
+                    observer.on_bytes(plan.write_bytes, plan.write_bytes)
+                sigterm.quiet()  # done: a SIGTERM now comes too late to matter
+            except BaseException as e:
+                sigterm.quiet()  # (the rank is already failing: the cleanup must not be cut short)
+                raised = stop(e)
+                if raised is e:
+                    raise
+                raise raised from None
+        except Terminated as e:  # SIGTERM in the instant before quiet() above (it raises only once)
+            raise stop(e) from None
     result = finished(plan, time.perf_counter() - t0, sum(reads), watch.report)
     observer.on_finish(result)
     return result
