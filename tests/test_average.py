@@ -381,17 +381,18 @@ def test_memory_is_the_streaming_buffers_whatever_the_number_of_sources(avg_fixt
 
 # ============================================================================================ the notebook
 def test_the_notebook_cell_averages_the_tags_given_and_says_when_there_is_one(avg_fixtures, tmp_path):
-    pm = pytest.importorskip("papermill")
+    pytest.importorskip("papermill")
     nbformat = pytest.importorskip("nbformat")
+    from tests.kernels import execute_notebook
+
     fx = avg_fixtures["avg_z2_bf16_w2"]
     nb = Path(__file__).resolve().parents[1] / "notebooks" / "05_health_and_diff.ipynb"
     params = nbformat.read(nb, as_version=4).cells
     assert sum("average_dirs = None" in c.source for c in params if "parameters" in c.metadata.get("tags", [])) == 1
     executed = tmp_path / "05.ipynb"
-    pm.execute_notebook(str(nb), str(executed), parameters={
+    execute_notebook(nb, executed, {
         "checkpoint_dir": str(tag_dirs(fx)[-1]), "output_dir": str(tmp_path / "output"), "other_dir": None,
-        "average_dirs": [str(p) for p in tag_dirs(fx)]}, kernel_name="python3", cwd=str(nb.parent),
-        progress_bar=False, log_output=False, execution_timeout=180, shutdown_kernel="immediate")
+        "average_dirs": [str(p) for p in tag_dirs(fx)]})
     cells = nbformat.read(executed, as_version=4).cells
     assert not [o for c in cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
     text = "".join(o.get("text", "") for c in cells if "plan_average" in c.source for o in c.get("outputs", []))

@@ -23,17 +23,15 @@ from ckptlib.kinds import adapters as A  # noqa: E402
 from ckptlib.ui import AdapterView, AdapterWizard  # noqa: E402
 from ckptlib.ui.common import WidgetObserver  # noqa: E402
 from ckptlib.ui.pictures import facts_in_html  # noqa: E402
+from tests.kernels import execute_notebook  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "03_export_weights.ipynb"
 
 
 def _execute(out_dir: Path, executed: Path, **parameters) -> None:
-    pm.execute_notebook(str(NOTEBOOK), str(executed),
-                        parameters={"checkpoint_dir": str(ROOT / "samples" / "zero2_bf16_w2" / "ckpt"),
-                                    "output_dir": str(out_dir), **parameters},
-                        kernel_name="python3", cwd=str(NOTEBOOK.parent), progress_bar=False, log_output=False,
-                        execution_timeout=180, shutdown_kernel="immediate")
+    execute_notebook(NOTEBOOK, executed, {"checkpoint_dir": str(ROOT / "samples" / "zero2_bf16_w2" / "ckpt"),
+                                          "output_dir": str(out_dir), **parameters})
 
 
 def _reference(fx) -> dict:

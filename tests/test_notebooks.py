@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.kernels import execute_notebook
+
 pm = pytest.importorskip("papermill", reason="papermill is in the dev extra (bash scripts/setup.sh --dev)")
 nbformat = pytest.importorskip("nbformat")
 
@@ -64,10 +66,8 @@ def _pngs(cell) -> int:
 
 
 def _execute(notebook: str, checkpoint: Path, out_dir: Path, executed: Path, **parameters) -> None:
-    pm.execute_notebook(str(NOTEBOOK_DIR / f"{notebook}.ipynb"), str(executed),
-                        parameters={"checkpoint_dir": str(checkpoint), "output_dir": str(out_dir), **parameters},
-                        kernel_name="python3", cwd=str(NOTEBOOK_DIR), progress_bar=False, log_output=False,
-                        execution_timeout=180, shutdown_kernel="immediate")  # torch makes a graceful exit slow
+    execute_notebook(NOTEBOOK_DIR / f"{notebook}.ipynb", executed,
+                     {"checkpoint_dir": str(checkpoint), "output_dir": str(out_dir), **parameters})
 
 
 @pytest.fixture(scope="session")
