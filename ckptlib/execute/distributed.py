@@ -252,9 +252,9 @@ def run_distributed(plan: Plan, observer: Optional[Observer] = None, cancel: Any
         atomic: Optional[AtomicOutputDir] = None
 
         def stop(e: BaseException) -> BaseException:
-            """The run failed with ``e`` on this rank: remove the output (rank 0) and say so; what to raise."""
+            """The run failed with ``e`` on this rank (SIGTERM already quiet): remove the output (rank 0) and say so;
+            what to raise."""
             nonlocal atomic
-            sigterm.quiet()
             if atomic is not None:  # rank 0, before the folder was committed or removed: remove it
                 atomic, a = None, atomic
                 a.__exit__(type(e), e, None)
@@ -311,7 +311,7 @@ def run_distributed(plan: Plan, observer: Optional[Observer] = None, cancel: Any
                 if raised is e:
                     raise
                 raise raised from None
-        except Terminated as e:  # SIGTERM in the instant before quiet() above (it raises only once)
+        except Terminated as e:  # SIGTERM in the instant before quiet() above (raising it made it quiet)
             raise stop(e) from None
     result = finished(plan, time.perf_counter() - t0, sum(reads), watch.report)
     observer.on_finish(result)
